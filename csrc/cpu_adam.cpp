@@ -1,0 +1,373 @@
+// Fused CPU Adam/AdamW step over flat ranges of the host-resident FP32 master state.
+//
+// One pass over memory per element: read p, m, v (FP32) and the gradient (BF16 or FP32, times a
+// scale), write p, m, v and optionally a BF16 copy of p. The arithmetic follows torch's fused CPU
+// kernel operation by operation (same float roundings of the double-precision coefficients, same
+// lerp, same evaluation order, and explicit FMAs exactly where torch's x86 build contracts to one),
+// and the build uses -ffp-contract=off, so every ISA path produces bit-identical results, equal
+// to torch.optim.AdamW(fused=True) or within an ulp where a torch build rounds differently.
+//
+// Built as a plain shared library (no torch headers) and called through ctypes from
+// slidedp/cpu_adam.py; ctypes releases the GIL for the call. One build serves every x86 CPU: each
+// ISA path is compiled with its own function-level target attribute and picked at run time.
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// Codes shared with slidedp/cpu_adam.py.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+// Per-call scalars, rounded to float the way torch's fused CPU kernel rounds them.
+struct Coeffs {
+  float grad_scale;
+  float decay;          // AdamW: 1 - lr * wd, applied to p before the update
+  float l2;             // plain Adam: wd, added to the gradient as wd * p
+  float lerp_weight;    // 1 - beta1: m.lerp_(g, 1 - beta1)
+  float lerp_weight_m1; // lerp_weight - 1, used with base g when the weight is >= 0.5 (as torch)
+  bool lerp_small;
+  float beta2;
+  float beta2_c;        // 1 - beta2
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+};
+
+// ---------------------------------------------------------------------------------------------
+// Lanes. The math below is written once with GCC vector extensions (operators act lane-wise and
+// broadcast scalars); each ISA supplies only its width, square root, fused multiply-add and,
+// where the hardware has one, a BF16 conversion instruction.
+
+using u16x8 = uint16_t __attribute__((vector_size(16)));
+using u16x16 = uint16_t __attribute__((vector_size(32)));
+using u32x8 = uint32_t __attribute__((vector_size(32)));
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+using f32x8 = float __attribute__((vector_size(32)));
+using f32x16 = float __attribute__((vector_size(64)));
+
+template <class To, class From>
+inline To convert(From x) {
+  if constexpr (std::is_arithmetic_v<From>) {
+    return To(x);
+  } else {
+    return __builtin_convertvector(x, To);
+  }
+}
+
+template <class V>
+inline V load(const void* src) {
+  V x;
+  std::memcpy(&x, src, sizeof(V));
+  return x;
+}
+
+template <class V>
+inline void store(void* dst, V x) {
+  std::memcpy(dst, &x, sizeof(V));
+}
+
+// BF16 -> FP32 is exact: the BF16 bits are the high half of the FP32 bits.
+template <class Ops>
+inline typename Ops::V load_grad(const uint16_t* g) {
+  using U = typename Ops::U;
+  return __builtin_bit_cast(typename Ops::V, U(convert<U>(load<typename Ops::H>(g)) << 16));
+}
+
+template <class Ops>
+inline typename Ops::V load_grad(const float* g) {
+  return load<typename Ops::V>(g);
+}
+
+// FP32 -> BF16 with round-to-nearest-even, as torch's .to(torch.bfloat16); NaNs stay NaN (quieted),
+// as the hardware instruction does.
+template <class Ops>
+inline void store_bf16_rne(uint16_t* dst, typename Ops::V x) {
+  using U = typename Ops::U;
+  const U bits = __builtin_bit_cast(U, x);
+  const U rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const U quiet_nan = (bits >> 16) | 0x40u;
+  store(dst, convert<typename Ops::H>(U(x != x ? quiet_nan : rounded)));
+}
+
+struct ScalarOps {
+  using V = float;
+  using U = uint32_t;
+  using H = uint16_t;
+  static constexpr int64_t kWidth = 1;
+  static V sqrt(V x) { return __builtin_sqrtf(x); }
+  static V fma(V a, V x, V y) { return __builtin_fmaf(a, x, y); }
+  static void store_bf16(uint16_t* dst, V x) { store_bf16_rne<ScalarOps>(dst, x); }
+};
+
+#if defined(__x86_64__)
+#define SLIDEDP_AVX2 __attribute__((target("avx2,fma")))
+#define SLIDEDP_AVX512 __attribute__((target("avx512f")))
+#define SLIDEDP_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+struct Avx2Ops {
+  using V = f32x8;
+  using U = u32x8;
+  using H = u16x8;
+  static constexpr int64_t kWidth = 8;
+  SLIDEDP_AVX2 static V sqrt(V x) { return _mm256_sqrt_ps(x); }
+  SLIDEDP_AVX2 static V fma(V a, V x, V y) { return _mm256_fmadd_ps(a, x, y); }
+  SLIDEDP_AVX2 static void store_bf16(uint16_t* dst, V x) { store_bf16_rne<Avx2Ops>(dst, x); }
+};
+
+struct Avx512Ops {
+  using V = f32x16;
+  using U = u32x16;
+  using H = u16x16;
+  static constexpr int64_t kWidth = 16;
+  SLIDEDP_AVX512 static V sqrt(V x) { return _mm512_sqrt_ps(x); }
+  SLIDEDP_AVX512 static V fma(V a, V x, V y) { return _mm512_fmadd_ps(a, x, y); }
+  SLIDEDP_AVX512 static void store_bf16(uint16_t* dst, V x) { store_bf16_rne<Avx512Ops>(dst, x); }
+};
+
+struct Avx512Bf16Ops : Avx512Ops {
+  // vcvtneps2bf16 rounds to nearest even but treats denormal inputs as zero; torch keeps them, so
+  // a vector holding one (never seen in real weights) takes the integer path.
+  SLIDEDP_AVX512BF16 static void store_bf16(uint16_t* dst, V x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __mmask16 zero_exponent = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7F800000));
+    if (__builtin_expect(_mm512_mask_test_epi32_mask(zero_exponent, bits, _mm512_set1_epi32(0x007FFFFF)), 0)) {
+      store_bf16_rne<Avx512Ops>(dst, x);
+      return;
+    }
+    store(dst, _mm512_cvtneps_pbh(x));
+  }
+};
+#endif  // __x86_64__
+
+// ---------------------------------------------------------------------------------------------
+// The update, on Ops::kWidth elements.
+
+template <class Ops, class GradT, bool kL2, bool kBf16Out>
+inline void adam_lanes(const Coeffs& c, float* p, const GradT* g, float* m, float* v, uint16_t* out) {
+  using V = typename Ops::V;
+  const auto splat = [](float x) { return x - V{}; };  // x - 0 is x, signed zeros included
+  V grad = load_grad<Ops>(g) * c.grad_scale;
+  V param = load<V>(p);
+  if constexpr (kL2) {
+    grad = Ops::fma(splat(c.l2), param, grad);
+  } else {
+    param = param * c.decay;
+  }
+  V exp_avg = load<V>(m);
+  const V diff = grad - exp_avg;
+  exp_avg = c.lerp_small ? Ops::fma(splat(c.lerp_weight), diff, exp_avg) : Ops::fma(splat(c.lerp_weight_m1), diff, grad);
+  const V exp_avg_sq = Ops::fma(c.beta2_c * grad, grad, load<V>(v) * c.beta2);
+  const V denom = Ops::sqrt(exp_avg_sq) / c.bc2_sqrt + c.eps;
+  param = param + c.neg_step_size * exp_avg / denom;
+  store(p, param);
+  store(m, exp_avg);
+  store(v, exp_avg_sq);
+  if constexpr (kBf16Out) {
+    Ops::store_bf16(out, param);
+  }
+}
+
+template <class Ops, class GradT, bool kL2, bool kBf16Out>
+inline void adam_range(const Coeffs& coeffs, float* p, const GradT* g, float* m, float* v, uint16_t* out, int64_t n) {
+  const Coeffs c = coeffs;  // a local copy cannot alias the stores, so it stays in registers
+  int64_t i = 0;
+  for (; i + Ops::kWidth <= n; i += Ops::kWidth) {
+    adam_lanes<Ops, GradT, kL2, kBf16Out>(c, p + i, g + i, m + i, v + i, kBf16Out ? out + i : nullptr);
+  }
+  for (; i < n; ++i) {
+    adam_lanes<ScalarOps, GradT, kL2, kBf16Out>(c, p + i, g + i, m + i, v + i, kBf16Out ? out + i : nullptr);
+  }
+}
+
+using RangeFn = void (*)(const Coeffs&, float*, const void*, float*, float*, uint16_t*, int64_t);
+
+// One entry point per ISA; `flatten` inlines the generic code above into the target-specific
+// function, so it is compiled for that ISA (a generic callee cannot inline target intrinsics).
+#define SLIDEDP_KERNEL(NAME, OPS, ...)                                                                 \
+  struct NAME {                                                                                        \
+    template <class GradT, bool kL2, bool kBf16Out>                                                    \
+    __VA_ARGS__ __attribute__((flatten)) static void run(                                              \
+        const Coeffs& c, float* p, const void* g, float* m, float* v, uint16_t* out, int64_t n) {      \
+      adam_range<OPS, GradT, kL2, kBf16Out>(c, p, static_cast<const GradT*>(g), m, v, out, n);         \
+    }                                                                                                  \
+  };
+
+SLIDEDP_KERNEL(ScalarKernel, ScalarOps)
+#if defined(__x86_64__)
+SLIDEDP_KERNEL(Avx2Kernel, Avx2Ops, SLIDEDP_AVX2)
+SLIDEDP_KERNEL(Avx512Kernel, Avx512Ops, SLIDEDP_AVX512)
+SLIDEDP_KERNEL(Avx512Bf16Kernel, Avx512Bf16Ops, SLIDEDP_AVX512BF16)
+#endif
+
+template <class Kernel>
+RangeFn pick(bool grad_bf16, bool l2, bool bf16_out) {
+  const RangeFn table[2][2][2] = {
+      {{&Kernel::template run<float, false, false>, &Kernel::template run<float, false, true>},
+       {&Kernel::template run<float, true, false>, &Kernel::template run<float, true, true>}},
+      {{&Kernel::template run<uint16_t, false, false>, &Kernel::template run<uint16_t, false, true>},
+       {&Kernel::template run<uint16_t, true, false>, &Kernel::template run<uint16_t, true, true>}},
+  };
+  return table[grad_bf16][l2][bf16_out];
+}
+
+bool isa_supported(int isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  switch (isa) {
+    case kScalar: return true;
+    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512: return __builtin_cpu_supports("avx512f");
+    case kAvx512Bf16:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512bf16");
+    default: return false;
+  }
+#else
+  return isa == kScalar;
+#endif
+}
+
+RangeFn pick_kernel(int isa, bool grad_bf16, bool l2, bool bf16_out) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case kAvx512Bf16: return pick<Avx512Bf16Kernel>(grad_bf16, l2, bf16_out);
+    case kAvx512: return pick<Avx512Kernel>(grad_bf16, l2, bf16_out);
+    case kAvx2: return pick<Avx2Kernel>(grad_bf16, l2, bf16_out);
+#endif
+    default: return pick<ScalarKernel>(grad_bf16, l2, bf16_out);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Threads. A persistent pool of std::threads rather than OpenMP: torch ships its own OpenMP
+// runtime, and a second one in the same process brings a second set of spinning workers that
+// oversubscribe the rank's cores; here idle workers sleep on a condition variable, and each call
+// uses exactly the thread count its caller passes (its share of the host's cores). Workers inherit
+// the affinity of the thread that first needs them.
+
+class ThreadPool {
+ public:
+  // Runs job(0) .. job(num_workers - 1) concurrently and returns when all are done; the caller is
+  // worker 0. Calls that need helpers run one at a time.
+  void run(int num_workers, const std::function<void(int)>& job) {
+    if (num_workers <= 1) {
+      job(0);
+      return;
+    }
+    std::lock_guard<std::mutex> one_job(run_mu_);
+    while (static_cast<int>(num_threads_) < num_workers - 1) {
+      std::thread(&ThreadPool::serve, this, ++num_threads_, generation_).detach();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &job;
+      helpers_ = num_workers - 1;
+      pending_ = helpers_;
+      ++generation_;
+    }
+    wake_.notify_all();
+    job(0);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+  }
+
+ private:
+  void serve(int index, uint64_t seen) {
+    for (;;) {
+      const std::function<void(int)>* job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (index > helpers_) continue;
+        job = job_;
+      }
+      (*job)(index);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex run_mu_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  const std::function<void(int)>* job_ = nullptr;
+  int num_threads_ = 0;
+  int helpers_ = 0;
+  int pending_ = 0;
+  uint64_t generation_ = 0;
+};
+
+// Never destroyed: workers are detached and may sleep until the process exits. A forked child has
+// none of the parent's threads (and maybe a locked mutex), so it starts a fresh pool.
+ThreadPool* g_pool = [] {
+  pthread_atfork(nullptr, nullptr, [] { g_pool = new ThreadPool(); });
+  return new ThreadPool();
+}();
+
+// Work is handed out in blocks (about 0.9 MB of traffic each) from a shared counter, so a thread
+// slowed by a busy core does not hold up the others; short ranges stay on the calling thread.
+constexpr int64_t kBlock = 1 << 15;
+
+}  // namespace
+
+extern "C" {
+
+int slidedp_cpu_adam_isa_supported(int isa) { return isa_supported(isa); }
+
+// Returns 0, or -1 when the ISA is not supported by this CPU.
+int slidedp_cpu_adam_update(int isa, float* param, const void* grad, int grad_is_bf16, float* exp_avg,
+                            float* exp_avg_sq, uint16_t* bf16_out, int64_t n, int64_t step, double lr,
+                            double beta1, double beta2, double eps, double weight_decay, int adamw,
+                            double grad_scale, int num_threads) {
+  if (!isa_supported(isa)) return -1;
+  const bool l2 = !adamw && weight_decay != 0.0;
+  const double lerp_weight = 1.0 - beta1;
+  Coeffs c;
+  c.grad_scale = static_cast<float>(grad_scale);
+  c.decay = adamw ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  c.l2 = static_cast<float>(weight_decay);
+  c.lerp_weight = static_cast<float>(lerp_weight);
+  c.lerp_weight_m1 = c.lerp_weight - 1.0f;
+  c.lerp_small = (c.lerp_weight < 0.5f && c.lerp_weight > -0.5f);
+  c.beta2 = static_cast<float>(beta2);
+  c.beta2_c = static_cast<float>(1.0 - beta2);
+  c.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  c.eps = static_cast<float>(eps);
+  c.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))));
+
+  const RangeFn fn = pick_kernel(isa, grad_is_bf16 != 0, l2, bf16_out != nullptr);
+  const int64_t grad_size = grad_is_bf16 ? 2 : 4;
+  const auto* grad_bytes = static_cast<const char*>(grad);
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  std::atomic<int64_t> next{0};
+  auto job = [&](int) {
+    for (int64_t b = next.fetch_add(1); b < num_blocks; b = next.fetch_add(1)) {
+      const int64_t lo = b * kBlock;
+      const int64_t len = std::min(kBlock, n - lo);
+      fn(c, param + lo, grad_bytes + lo * grad_size, exp_avg + lo, exp_avg_sq + lo,
+         bf16_out ? bf16_out + lo : nullptr, len);
+    }
+  };
+  g_pool->run(static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), num_blocks)), job);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,419 @@
+"""Hugging Face checkpoint I/O: read config.json, stream safetensors into a model, save back.
+
+A model directory is what `huggingface-cli download Qwen/Qwen3-8B` produces: config.json, one
+`model.safetensors` or sharded `model-0000i-of-0000N.safetensors` plus
+`model.safetensors.index.json`, and tokenizer files. Loading moves one tensor at a time and saving
+one shard at a time, so host memory never holds a second copy of the model.
+
+Names inside this module are QwenModel's (`layers.0.mlp.up_proj.weight`); the files use HF's,
+which add a `model.` prefix to everything but `lm_head.weight`.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from models.args import QwenArgs
+from models.flavors import FLAVORS
+from models.qwen import QwenModel
+
+logger = logging.getLogger(__name__)
+
+PathLike = str | os.PathLike[str]
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "generation_config.json", "special_tokens_map.json")
+
+_FAMILY_OF_MODEL_TYPE = {"qwen3": "qwen3", "qwen2": "qwen2.5"}
+_MODEL_TYPE_OF_FAMILY = {"qwen3": "qwen3", "qwen2.5": "qwen2"}
+_ARCHITECTURE_OF_FAMILY = {"qwen3": "Qwen3ForCausalLM", "qwen2.5": "Qwen2ForCausalLM"}
+_HEAD = "lm_head.weight"
+_PREFIX = "model."
+_REQUIRED = object()
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _model_path(model_dir: PathLike) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    return path
+
+
+def load_config_json(model_dir: PathLike) -> dict[str, Any]:
+    """The raw config.json of a model directory (pass it to save as `source_config`)."""
+    path = _model_path(model_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (a Hugging Face model directory needs one)")
+    return _read_json(path)
+
+
+def _field(cfg: dict[str, Any], key: str, *, origin: str, default: Any = _REQUIRED) -> Any:
+    if cfg.get(key) is not None:
+        return cfg[key]
+    if default is _REQUIRED:
+        raise ValueError(f"{origin}: missing field {key!r}")
+    return default
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    # transformers >= 5 nests it in `rope_parameters`; 10000 is HF's default when absent.
+    nested = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or nested.get("rope_theta") or 10000.0)
+
+
+def _check_supported(cfg: dict[str, Any], family: str, *, origin: str) -> None:
+    """Reject HF options that QwenModel does not implement, rather than train a different net."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{origin}: rope scaling {rope_type!r} is not supported (plain RoPE only)")
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{origin}: use_sliding_window=true is not supported")
+    if family == "qwen3" and cfg.get("attention_bias"):
+        raise ValueError(f"{origin}: attention_bias=true is not supported for qwen3")
+
+
+def args_from_hf_config(cfg: dict[str, Any], *, origin: str = CONFIG_FILE) -> QwenArgs:
+    """QwenArgs from a parsed config.json; `origin` names the file in error messages."""
+    model_type = cfg.get("model_type")
+    if model_type not in _FAMILY_OF_MODEL_TYPE:
+        raise ValueError(f"{origin}: unsupported model_type {model_type!r} "
+                         f"(expected one of {sorted(_FAMILY_OF_MODEL_TYPE)})")
+    family = _FAMILY_OF_MODEL_TYPE[model_type]
+    _check_supported(cfg, family, origin=origin)
+    dim = int(_field(cfg, "hidden_size", origin=origin))
+    n_heads = int(_field(cfg, "num_attention_heads", origin=origin))
+    # Qwen2 configs carry no head_dim (HF derives it); Qwen3 decouples it, so it must be given.
+    head_dim = _field(cfg, "head_dim", origin=origin,
+                      default=dim // n_heads if family == "qwen2.5" else _REQUIRED)
+    qwen3 = family == "qwen3"
+    return QwenArgs(
+        family=family,
+        dim=dim,
+        n_layers=int(_field(cfg, "num_hidden_layers", origin=origin)),
+        n_heads=n_heads,
+        n_kv_heads=int(_field(cfg, "num_key_value_heads", origin=origin)),
+        head_dim=int(head_dim),
+        hidden_dim=int(_field(cfg, "intermediate_size", origin=origin)),
+        vocab_size=int(_field(cfg, "vocab_size", origin=origin)),
+        qk_norm=qwen3,
+        qkv_bias=not qwen3,
+        # Defaults below are transformers' Qwen2Config / Qwen3Config defaults.
+        tie_embeddings=bool(_field(cfg, "tie_word_embeddings", origin=origin, default=False)),
+        rope_theta=_rope_theta(cfg),
+        norm_eps=float(_field(cfg, "rms_norm_eps", origin=origin, default=1e-6)),
+        max_position_embeddings=int(_field(cfg, "max_position_embeddings", origin=origin,
+                                           default=32768)),
+    )
+
+
+def read_hf_config(model_dir: PathLike) -> QwenArgs:
+    """QwenArgs of a Hugging Face model directory, parsed from its config.json."""
+    return args_from_hf_config(load_config_json(model_dir),
+                               origin=str(Path(model_dir) / CONFIG_FILE))
+
+
+def match_flavor(args: QwenArgs) -> str | None:
+    """Name of the FLAVORS entry with the same architecture (context length ignored), if any."""
+    key = dataclasses.replace(args, max_position_embeddings=0)
+    for name, flavor in FLAVORS.items():
+        if dataclasses.replace(flavor, max_position_embeddings=0) == key:
+            return name
+    return None
+
+
+def to_hf_config(args: QwenArgs, *, dtype: torch.dtype = torch.bfloat16,
+                 source_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json contents for transformers' Qwen3Config / Qwen2Config. Extra keys of
+    `source_config` (bos/eos ids, transformers_version, ...) are kept; architecture keys are
+    always ours."""
+    qwen3 = args.family == "qwen3"
+    hf_layout = (args.qk_norm, args.qkv_bias) == (qwen3, not qwen3)
+    if args.family not in _MODEL_TYPE_OF_FAMILY or not hf_layout:
+        raise ValueError(f"{args.family} with qk_norm={args.qk_norm}, qkv_bias={args.qkv_bias} "
+                         "has no Hugging Face architecture")
+    dtype_name = str(dtype).removeprefix("torch.")
+    defaults = {"attention_dropout": 0.0, "initializer_range": 0.02, "rope_scaling": None,
+                "max_window_layers": args.n_layers, "sliding_window": None, "use_cache": True}
+    ours = {
+        "architectures": [_ARCHITECTURE_OF_FAMILY[args.family]],
+        "model_type": _MODEL_TYPE_OF_FAMILY[args.family],
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.hidden_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_position_embeddings,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        # transformers < 4.56 reads "torch_dtype", later versions "dtype"; write both.
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
+    if qwen3:
+        ours["attention_bias"] = False
+    config = {**defaults, **(source_config or {}), **ours}
+    if isinstance(config.get("rope_parameters"), dict):
+        config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": args.rope_theta}
+    return dict(sorted(config.items()))
+
+
+def param_shapes(args: QwenArgs) -> dict[str, torch.Size]:
+    """Name -> shape of every QwenModel parameter, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = QwenModel(args)
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+class _Entry(NamedTuple):
+    file: Path
+    key: str
+    shape: torch.Size
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    index = path / INDEX_FILE
+    if not index.is_file():
+        raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: missing field 'weight_map'")
+    files = [path / name for name in sorted(set(weight_map.values()))]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise FileNotFoundError(f"{index}: listed shard files not found: {absent}")
+    return files
+
+
+def _locate_tensors(model_dir: PathLike) -> dict[str, _Entry]:
+    """Where each tensor lives, in file order, read from the safetensors headers only."""
+    path = _model_path(model_dir)
+    tied = read_hf_config(path).tie_embeddings
+    entries: dict[str, _Entry] = {}
+    for file in _checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                name = key.removeprefix(_PREFIX)
+                if tied and name == _HEAD:
+                    continue  # some tied exports still write the head; it is the embedding
+                if name in entries:
+                    raise ValueError(f"{path}: tensor {key!r} is in both {entries[name].file.name} "
+                                     f"and {file.name}")
+                entries[name] = _Entry(file, key, torch.Size(f.get_slice(key).get_shape()))
+    return entries
+
+
+def _read_entries(entries: dict[str, _Entry], names: Iterable[str]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(entries[name].file, []).append(name)
+    for file, group in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in group:
+                yield name, f.get_tensor(entries[name].key)
+
+
+def hf_tensor_shapes(model_dir: PathLike) -> dict[str, torch.Size]:
+    """Name -> shape of every tensor in the checkpoint, without reading any tensor data."""
+    return {name: entry.shape for name, entry in _locate_tensors(model_dir).items()}
+
+
+def iter_hf_tensors(model_dir: PathLike, *, names: set[str] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs read one at a time in the file's dtype, only `names` if given (names
+    the checkpoint lacks are skipped). For a tied model any lm_head.weight in the files is skipped.
+    Not a generator itself, so a bad directory fails here rather than at the first `next`."""
+    entries = _locate_tensors(model_dir)
+    return _read_entries(entries, [n for n in entries if names is None or n in names])
+
+
+def _preview(names: list[str], *, limit: int = 5) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _mismatch_message(found: dict[str, torch.Size], expected: dict[str, torch.Size], *,
+                      strict: bool) -> str | None:
+    """One line describing how `found` differs from `expected`, or None when it loads."""
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    wrong = [f"{n} {tuple(found[n])} vs expected {tuple(expected[n])}"
+             for n in sorted(found.keys() & expected.keys()) if found[n] != expected[n]]
+    if not strict and (missing or unexpected):
+        logger.warning("non-strict load: missing [%s]; unexpected [%s]",
+                       _preview(missing), _preview(unexpected))
+        missing, unexpected = [], []
+    parts = [f"{what} [{_preview(items)}]" for what, items in
+             (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if items]
+    return "; ".join(parts) or None
+
+
+def load_hf_into(dest: Callable[[str, torch.Tensor], None], model_dir: PathLike,
+                 expected: dict[str, torch.Size], *, strict: bool = True) -> None:
+    """Stream the checkpoint into `dest(name, tensor)`, one tensor at a time in the file's dtype
+    (dest converts). Names and shapes are checked against `expected` before any data is read, so
+    a mismatch leaves the destination untouched. strict=False tolerates missing/unexpected names."""
+    entries = _locate_tensors(model_dir)
+    problem = _mismatch_message({n: e.shape for n, e in entries.items()}, expected, strict=strict)
+    if problem:
+        raise ValueError(f"{model_dir}: checkpoint does not match the model: {problem}")
+    for name, tensor in _read_entries(entries, [n for n in entries if n in expected]):
+        dest(name, tensor)
+
+
+@torch.no_grad()
+def load_hf_into_model(model: nn.Module, model_dir: PathLike, *, strict: bool = True) -> None:
+    """Copy a Hugging Face checkpoint into `model`'s parameters in place (cast to their dtype)."""
+    params = dict(model.named_parameters())
+    load_hf_into(lambda name, tensor: params[name].copy_(tensor), model_dir,
+                 {name: p.shape for name, p in params.items()}, strict=strict)
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+class _ShardWriter:
+    """Accumulates tensors until `max_shard_bytes` and writes each full shard, so memory holds at
+    most one shard. Shards get their final `-of-N` names in `finish`, once N is known."""
+
+    def __init__(self, out: Path, *, max_shard_bytes: int):
+        self.out, self.max_shard_bytes = out, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.total_bytes = 0
+        self.shard_keys: list[list[str]] = []
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self.pending[key] = tensor
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _partial(self, i: int) -> Path:
+        return self.out / f"shard-{i:05d}.partial"
+
+    def _flush(self) -> None:
+        save_file(self.pending, self._partial(len(self.shard_keys)), metadata={"format": "pt"})
+        self.shard_keys.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        self._flush()
+        n = len(self.shard_keys)
+        if n == 1:
+            self._partial(0).rename(self.out / SINGLE_FILE)
+            return
+        weight_map = {}
+        for i, keys in enumerate(self.shard_keys):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            self._partial(i).rename(self.out / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        _write_json(self.out / INDEX_FILE, {"metadata": {"total_size": self.total_bytes},
+                                            "weight_map": dict(sorted(weight_map.items()))})
+
+
+def _check_save_name(name: str, shape: torch.Size, expected: dict[str, torch.Size],
+                     seen: set[str]) -> None:
+    # Checked per tensor so a wrong name fails before gigabytes are written.
+    if name not in expected:
+        raise ValueError(f"cannot save tensor {name!r}: not a parameter of the model")
+    if name in seen:
+        raise ValueError(f"cannot save tensor {name!r}: given twice")
+    if shape != expected[name]:
+        raise ValueError(f"cannot save tensor {name!r}: shape {tuple(shape)} vs expected "
+                         f"{tuple(expected[name])}")
+
+
+def _write_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], args: QwenArgs, out: Path,
+                   *, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    expected = param_shapes(args)
+    writer = _ShardWriter(out, max_shard_bytes=max_shard_bytes)
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if args.tie_embeddings and name == _HEAD:
+            continue  # the head is the embedding; HF tied checkpoints omit it
+        _check_save_name(name, tensor.shape, expected, seen)
+        seen.add(name)
+        # A fresh contiguous CPU copy: safetensors refuses views that share storage (flat buffers).
+        writer.add(name if name == _HEAD else _PREFIX + name,
+                   tensor.detach().to("cpu", dtype=dtype, memory_format=torch.contiguous_format,
+                                      copy=True))
+    missing = sorted(expected.keys() - seen)
+    if missing:
+        raise ValueError(f"cannot save checkpoint: missing tensors [{_preview(missing)}]")
+    writer.finish()
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    if not src.is_dir():
+        raise FileNotFoundError(f"tokenizer directory not found: {src}")
+    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    for name in copied:
+        shutil.copy2(src / name, dst / name)
+    if not copied:
+        logger.warning("no tokenizer files in %s; the saved model has none", src)
+
+
+def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], args: QwenArgs,
+                       out_dir: PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                       max_shard_bytes: int = 5 * 2**30,
+                       copy_tokenizer_from: PathLike | None = None,
+                       source_config: dict[str, Any] | None = None) -> None:
+    """Write a Hugging Face model directory from (QwenModel name, full tensor) pairs, streaming
+    shard by shard. Everything goes to `out_dir.tmp` first and is renamed into place at the end,
+    so a crash never leaves a directory that looks complete; an existing `out_dir` is replaced."""
+    out = Path(out_dir).absolute()  # so "." or "x/" still have a name to suffix
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # leftover of an earlier crash
+    tmp.mkdir(parents=True)
+    try:
+        if copy_tokenizer_from is not None:
+            _copy_tokenizer(Path(copy_tokenizer_from), tmp)
+        _write_tensors(named_tensors, args, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        _write_json(tmp / CONFIG_FILE, to_hf_config(args, dtype=dtype, source_config=source_config))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)

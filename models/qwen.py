@@ -1,0 +1,147 @@
+"""The Qwen3 / Qwen2.5 decoder.
+
+Parameter names match Hugging Face (`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...) minus the
+`model.` prefix, so checkpoint conversion is a rename of one prefix. Blocks own no buffers and
+take the RoPE tables as arguments: a block is a self-contained unit that a runtime can stream,
+shard or re-materialize on its own.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.args import QwenArgs
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in FP32 and cast back, as Hugging Face Qwen does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(args: QwenArgs, seq_len: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim) in FP32 (HF's rotate-half layout)."""
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32,
+                                                  device=device) / args.head_dim))
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (bs, heads, seq, head_dim); rotation in FP32 for accuracy, result in x's dtype.
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with optional QK-norm (Qwen3) or QKV bias (Qwen2.5)."""
+
+    def __init__(self, args: QwenArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.dim, q, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, kv, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, kv, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        q = self.q_proj(x).view(bs, seq, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, args: QwenArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention + MLP block; the unit that SlideDP streams."""
+
+    def __init__(self, args: QwenArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@torch.no_grad()
+def init_parameter(name: str, p: torch.Tensor, *, std: float = 0.02) -> None:
+    """Initialize one parameter in place by its role (norms 1, biases 0, weights N(0, std))."""
+    if name.endswith("norm.weight"):
+        p.fill_(1.0)
+    elif name.endswith(".bias"):
+        p.zero_()
+    else:
+        p.normal_(0.0, std)
+
+
+class QwenModel(nn.Module):
+    """Embedding -> blocks -> final norm. `lm_head` is None when tied to the embedding.
+
+    `forward` returns the final hidden states; the loss applies the head in chunks so the full
+    (tokens x vocab) logits never exist (see models/loss.py).
+    """
+
+    def __init__(self, args: QwenArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def head_weight(self) -> torch.Tensor:
+        """The (vocab, dim) output projection, shared with the embedding when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self, *, std: float = 0.02) -> None:
+        """Random init for training from scratch (normal weights, zero biases, unit norms).
+        In place, so it also works on sharded (DTensor) parameters; seed with torch.manual_seed."""
+        for name, p in self.named_parameters():
+            init_parameter(name, p, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(self.args, tokens.shape[1], tokens.device)
+        h = self.embed_tokens(tokens)
+        for block in self.layers:
+            h = block(h, cos, sin)
+        return self.norm(h)

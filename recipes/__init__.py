@@ -1,0 +1,1 @@
+"""Training recipes, baselines and reproduction scripts."""

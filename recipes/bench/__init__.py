@@ -1,0 +1,1 @@
+"""Micro-benchmarks of single components."""

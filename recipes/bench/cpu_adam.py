@@ -1,0 +1,138 @@
+"""CPU AdamW throughput: the fused SlideDP kernel vs torch's fused AdamW plus casts vs a memory copy.
+
+    python -m recipes.bench.cpu_adam --params 200e6 --threads 1,2,4,8,16,32 [--json out.json]
+
+(a) `slidedp.cpu_adam.adam_update`: BF16 gradient in, FP32 p/m/v updated, BF16 params out, one pass.
+(b) what a runtime needs around torch.optim.AdamW(fused=True): cast the BF16 gradient to FP32, step,
+    cast the params to BF16.
+(c) a STREAM-like copy of an FP32 buffer with torch, as the host's attainable bandwidth.
+GB/s for (a) and (b) count the same useful traffic, 28 bytes/param; (c) counts read + write.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from slidedp import cpu_adam
+
+ADAM_BYTES_PER_PARAM = 28  # read p, m, v (12) + bf16 g (2); write p, m, v (12) + bf16 p (2)
+COPY_BYTES_PER_ELEM = 8  # fp32 read + write
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up: pool threads, page faults
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class Workload:
+    """The buffers, shared by the three contenders (only their speed is measured)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.param = torch.randn(n) * 0.02
+        self.exp_avg = torch.zeros(n)
+        self.exp_avg_sq = torch.zeros(n)
+        self.grad = torch.randn(n, dtype=torch.bfloat16)
+        self.bf16_out = torch.empty(n, dtype=torch.bfloat16)
+        self.steps = 0
+        self.torch_param = torch.nn.Parameter(self.param)  # same storage
+        self.torch_param.grad = torch.empty(n)
+        self.torch_opt = torch.optim.AdamW([self.torch_param], lr=1e-4, weight_decay=0.1, fused=True)
+        self.copy_src = torch.randn(n)
+        self.copy_dst = torch.empty(n)
+
+    def ours(self, threads: int) -> None:
+        self.steps += 1
+        cpu_adam.adam_update(self.param, self.grad, self.exp_avg, self.exp_avg_sq, step=self.steps, lr=1e-4,
+                             beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bf16_out=self.bf16_out,
+                             num_threads=threads)
+
+    def torch_fused(self) -> None:
+        self.torch_param.grad.copy_(self.grad)
+        self.torch_opt.step()
+        self.bf16_out.copy_(self.torch_param.detach())
+
+    def copy(self) -> None:
+        self.copy_dst.copy_(self.copy_src)
+
+
+def run(n: int, thread_counts: list[int], repeats: int) -> list[dict[str, float]]:
+    work = Workload(n)
+    rows = []
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        ours = _median_seconds(lambda: work.ours(threads), repeats)
+        fused = _median_seconds(work.torch_fused, repeats)
+        copy = _median_seconds(work.copy, repeats)
+        rows.append({
+            "threads": threads,
+            "ours_gparams": n / ours / 1e9,
+            "ours_gbs": n * ADAM_BYTES_PER_PARAM / ours / 1e9,
+            "torch_gparams": n / fused / 1e9,
+            "torch_gbs": n * ADAM_BYTES_PER_PARAM / fused / 1e9,
+            "copy_gbs": n * COPY_BYTES_PER_ELEM / copy / 1e9,
+        })
+        rows[-1]["ours_over_torch"] = fused / ours
+        rows[-1]["ours_over_copy"] = rows[-1]["ours_gbs"] / rows[-1]["copy_gbs"]
+    return rows
+
+
+def markdown(rows: list[dict[str, float]]) -> str:
+    lines = [
+        "| threads | ours Gparam/s | ours GB/s | torch fused+casts Gparam/s | torch GB/s | copy GB/s "
+        "| ours / torch | ours / copy |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['threads']} | {r['ours_gparams']:.2f} | {r['ours_gbs']:.1f} | {r['torch_gparams']:.2f} "
+                     f"| {r['torch_gbs']:.1f} | {r['copy_gbs']:.1f} | {r['ours_over_torch']:.2f}x "
+                     f"| {r['ours_over_copy']:.0%} |")
+    return "\n".join(lines)
+
+
+def _default_threads() -> str:
+    cores = len(os.sched_getaffinity(0))
+    counts = [1 << i for i in range(cores.bit_length()) if 1 << i < cores] + [cores]
+    return ",".join(map(str, counts))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=200e6, help="parameters per update")
+    parser.add_argument("--threads", default=_default_threads(), help="comma-separated thread counts")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per point (median reported)")
+    parser.add_argument("--json", help="also write the results to this path")
+    args = parser.parse_args()
+    n = int(args.params)
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    meta = {"params": n, "isa": cpu_adam.active_isa(), "torch": torch.__version__, "cpu": _cpu_name(),
+            "cores": len(os.sched_getaffinity(0))}
+    print(f"CPU AdamW, {n / 1e6:.0f}M params, ISA {meta['isa']}, torch {meta['torch']}, {meta['cores']} cores")
+    rows = run(n, thread_counts, args.repeats)
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

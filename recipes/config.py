@@ -1,0 +1,344 @@
+"""The job configuration: dataclass sections, parsed from TOML plus `--section.key=value` flags.
+
+Precedence is CLI > TOML > defaults (torchtitan's ConfigManager with tyro). Every mistake a user
+can make in a config (unknown key, wrong type, bad choice, missing file) is reported as one
+`ConfigError` line naming the key, before any work starts.
+"""
+
+import dataclasses
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from torchtitan.config.manager import ConfigManager
+
+from models.args import QwenArgs
+from models.flavors import FLAVORS
+from slidedp.config import SlideDPConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error."""
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML file with this run's settings; command-line flags override it."""
+    dump_folder: str = "./outputs"
+    """Folder for metrics.jsonl and TensorBoard events."""
+    description: str = ""
+    """Free-text description of the run, printed at start."""
+
+
+@dataclass
+class Model:
+    flavor: str = ""
+    """Architecture name from models/flavors.py (e.g. qwen3-8B); empty: inferred from hf_dir,
+    qwen3-debug when hf_dir is empty too."""
+    hf_dir: str = ""
+    """Hugging Face model directory (config.json + safetensors) to fine-tune; empty: random init."""
+    tokenizer_dir: str = ""
+    """Directory with tokenizer.json; empty: hf_dir."""
+
+
+@dataclass
+class Training:
+    steps: int = 100
+    """Optimizer steps to run."""
+    seq_len: int = 128
+    """Tokens per sample (documents are packed)."""
+    local_batch_size: int = 8
+    """Samples per micro-batch on each rank."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    max_norm: float = 1.0
+    """Global gradient-norm clipping threshold; 0 = off (the norm is still reported)."""
+    seed: int = 0
+    """Seed for weight init and data order."""
+    dataset: Literal["files", "synthetic"] = "synthetic"
+    """"files": tokenize dataset_path; "synthetic": uniform random tokens (throughput runs)."""
+    dataset_path: str = ""
+    """Comma-separated data files or directories (.jsonl, .json, .txt, .parquet)."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per chunk of the output head + cross-entropy (bounds the logits' memory)."""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """Compute dtype; master weights and optimizer state are always FP32."""
+    init_on_meta: bool = False
+    """fsdp2 only: build on the meta device and initialize each rank's shards in place on its
+    device (fast for big models; values differ from CPU init with the same seed)."""
+
+
+@dataclass
+class Optimizer:
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to every parameter."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 0
+    """Steps of linear warmup from lr/warmup_steps up to lr."""
+    decay_type: Literal["linear", "cosine", "none"] = "cosine"
+    """Decay after warmup, reaching min_lr_factor * lr at the last step ("none": constant)."""
+    min_lr_factor: float = 0.1
+    """Final learning rate as a fraction of lr."""
+
+
+@dataclass
+class Parallelism:
+    mode: Literal["single", "fsdp2", "slidedp"] = "single"
+    """"single": one process, all on one device; "fsdp2": torch FSDP2, GPU-resident;
+    "slidedp": host-resident weights and optimizer, streamed through the GPUs."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full"] = "none"
+    """"full": recompute every transformer block in backward (single and fsdp2)."""
+
+
+@dataclass
+class Checkpoint:
+    save_dir: str = ""
+    """Hugging Face-format saves go to <save_dir>/step-<N>; empty: no saving."""
+    interval: int = 0
+    """Save every this many steps as well; 0: only at the end."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Print a metrics line every this many steps (and at the last step)."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard events to <dump_folder>/tb (rank 0)."""
+    jsonl: bool = True
+    """Write one JSON object per step to <dump_folder>/metrics.jsonl (rank 0)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    slidedp: SlideDPConfig = field(default_factory=SlideDPConfig)
+
+
+# Choices of fields annotated as plain `str` in sections this module does not own.
+_STR_CHOICES: dict[str, tuple[str, ...]] = {
+    "slidedp.delivery": ("replicated", "sharded"),
+    "slidedp.reduction": ("gpu", "cpu"),
+    "slidedp.activation": ("keep", "recompute"),
+}
+
+# Numeric bounds: key -> (predicate, what it must be).
+_BOUNDS: dict[str, tuple[Any, str]] = {
+    **{f"training.{k}": (lambda v: v >= 1, ">= 1") for k in
+       ("steps", "seq_len", "local_batch_size", "grad_accum_steps", "loss_chunk_tokens")},
+    "training.max_norm": (lambda v: v >= 0, ">= 0"),
+    "training.seed": (lambda v: v >= 0, ">= 0"),
+    "optimizer.lr": (lambda v: v > 0, "> 0"),
+    "optimizer.beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.eps": (lambda v: v > 0, "> 0"),
+    "optimizer.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "lr_scheduler.warmup_steps": (lambda v: v >= 0, ">= 0"),
+    "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "checkpoint.interval": (lambda v: v >= 0, ">= 0"),
+    "metrics.log_freq": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(c) for c in get_args(tp))
+    if get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            type(None): "unset"}.get(tp, str(tp))
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """TOML-strict type check: bool is not an int, an int is a valid float."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        return any(type(value) is type(c) and value == c for c in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in get_args(tp))
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is type(None):
+        return value is None
+    return isinstance(value, tp)
+
+
+def _check_value(key: str, value: Any, tp: Any) -> Any:
+    """The value if it fits the annotation (ints widened to float), else a ConfigError."""
+    if not _matches(value, tp):
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    if key in _STR_CHOICES and value not in _STR_CHOICES[key]:
+        raise ConfigError(f"{key} must be {_type_name(Literal[_STR_CHOICES[key]])}, got {value!r}")
+    if key in _BOUNDS and not _BOUNDS[key][0](value):
+        raise ConfigError(f"{key} must be {_BOUNDS[key][1]}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _section_from_dict(cls: type, data: dict[str, Any], *, section: str) -> Any:
+    hints = get_type_hints(cls)
+    for key in data:
+        if key not in hints:
+            raise ConfigError(f"unknown key {section}.{key} (valid keys: {', '.join(hints)})")
+    return cls(**{key: _check_value(f"{section}.{key}", value, hints[key])
+                  for key, value in data.items()})
+
+
+def check_config(config: JobConfig) -> None:
+    """Every field against its annotation, choices and bounds (covers command-line values)."""
+    for section in dataclasses.fields(config):
+        obj = getattr(config, section.name)
+        for name, tp in get_type_hints(type(obj)).items():
+            _check_value(f"{section.name}.{name}", getattr(obj, name), tp)
+
+
+def _require_path(key: str, value: str, *, kind: str, must_contain: str = "") -> None:
+    path = Path(value)
+    found = path.is_dir() if kind == "directory" else path.exists()
+    if not found:
+        raise ConfigError(f"{key}: {kind} not found: {value}")
+    if must_contain and not (path / must_contain).is_file():
+        raise ConfigError(f"{key}: {value} has no {must_contain}")
+
+
+def resolve_model(config: JobConfig) -> tuple[str, QwenArgs]:
+    """(flavor name, architecture): the flavor, or what model.hf_dir's config.json says.
+    A custom architecture read from hf_dir that matches no flavor is named after the directory."""
+    flavor, hf_dir = config.model.flavor, config.model.hf_dir
+    if flavor and flavor not in FLAVORS:
+        raise ConfigError(f"model.flavor: unknown flavor {flavor!r} (choose one of {', '.join(FLAVORS)})")
+    if not hf_dir:
+        name = flavor or "qwen3-debug"
+        return name, FLAVORS[name]
+    from models.hf_checkpoint import match_flavor, read_hf_config  # safetensors only when needed
+
+    try:
+        args = read_hf_config(hf_dir)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf_dir: {e}") from None
+    inferred = match_flavor(args)
+    if flavor and flavor != inferred:
+        raise ConfigError(f"model.flavor = {flavor!r} contradicts model.hf_dir {hf_dir}, whose "
+                          f"config.json is {inferred or 'a custom architecture'}")
+    return inferred or f"custom ({Path(hf_dir).name})", args
+
+
+def _job_config_from_dict(cls: type, data: dict[str, Any]) -> Any:
+    sections = get_type_hints(cls)
+    for name, table in data.items():
+        if name not in sections:
+            raise ConfigError(f"unknown section [{name}] (valid sections: {', '.join(sections)})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{name} must be a [{name}] table, got {table!r}")
+    return cls(**{name: _section_from_dict(sections[name], table, section=name)
+                  for name, table in data.items()})
+
+
+def _check_paths(config: JobConfig) -> None:
+    model, training = config.model, config.training
+    if model.hf_dir:
+        _require_path("model.hf_dir", model.hf_dir, kind="directory", must_contain="config.json")
+    if model.tokenizer_dir:
+        _require_path("model.tokenizer_dir", model.tokenizer_dir, kind="directory",
+                      must_contain="tokenizer.json")
+    if training.dataset == "files":
+        if not training.dataset_path:
+            raise ConfigError('training.dataset_path: required when training.dataset = "files"')
+        for entry in (p.strip() for p in training.dataset_path.split(",") if p.strip()):
+            _require_path("training.dataset_path", entry, kind="file or directory")
+        if not (model.tokenizer_dir or model.hf_dir):
+            raise ConfigError('model.tokenizer_dir: required when training.dataset = "files" '
+                              "and model.hf_dir is empty")
+    elif training.dataset_path:
+        raise ConfigError('training.dataset_path is set but training.dataset = "synthetic"; '
+                          'set training.dataset = "files" to train on it')
+
+
+def _check_combinations(config: JobConfig) -> None:
+    training = config.training
+    if training.init_on_meta and config.parallelism.mode != "fsdp2":
+        raise ConfigError('training.init_on_meta: only supported with parallelism.mode = "fsdp2"')
+    if training.init_on_meta and config.model.hf_dir:
+        raise ConfigError("training.init_on_meta: cannot be combined with model.hf_dir "
+                          "(checkpoint weights are loaded before sharding)")
+
+
+class JobConfigManager(ConfigManager):
+    """torchtitan's ConfigManager for our JobConfig, with one-line errors and strict TOML types."""
+
+    def __init__(self) -> None:
+        super().__init__(config_cls=JobConfig)
+
+    def _maybe_load_toml(self, args: list[str]) -> dict[str, Any] | None:
+        path = self._toml_path = _config_file_arg(args)
+        if path is None:
+            return None
+        _require_path("job.config_file", path, kind="file")
+        try:
+            with open(path, "rb") as f:
+                return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"job.config_file: {path}: invalid TOML: {e}") from None
+
+    def _maybe_add_custom_config(self, args: list[str], toml_values: dict[str, Any] | None) -> type:
+        return self.config_cls  # no custom config modules: a TOML must not import code
+
+    def _dict_to_dataclass(self, cls: type, data: dict[str, Any]) -> Any:
+        """The TOML as a JobConfig, every section, key and value checked against the dataclasses."""
+        try:
+            return _job_config_from_dict(cls, data)
+        except ConfigError as e:
+            raise ConfigError(f"{self._toml_path}: {e}") from None
+
+    def _validate_config(self) -> None:
+        check_config(self.config)
+        _check_paths(self.config)
+        _check_combinations(self.config)
+        resolve_model(self.config)
+
+
+def _config_file_arg(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            if eq:
+                return value
+            if i + 1 < len(args):
+                return args[i + 1]
+    return None
+
+
+def parse_config(args: list[str]) -> JobConfig:
+    """Defaults < TOML (--job.config_file) < flags; raises ConfigError on any mistake."""
+    return JobConfigManager().parse_args(args)

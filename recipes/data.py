@@ -1,0 +1,392 @@
+"""Data pipeline: tokenizer loading, document sources, packing, data-parallel sharding, resume.
+
+Sources, chosen by file extension:
+  - `.jsonl` / `.json`: JSON lines; each line an object with `messages` (chat) or `text` (plain
+    LM); `messages` wins when both are present. Blank lines are skipped.
+  - `.txt`: documents separated by one or more blank (whitespace-only) lines; a document is its
+    remaining lines joined by "\\n" (a file without blank lines is one document).
+  - `.parquet`: a `messages` or `text` column, read one row group at a time.
+A path is a file, a directory (its supported files, recursively, in sorted order) or a
+comma-separated list of those.
+
+Chat documents are rendered in Qwen's ChatML, "<|im_start|>{role}\\n{content}<|im_end|>\\n" per
+message; only assistant content and its <|im_end|> are loss targets.
+
+Every document is tokenized once at start-up (4 bytes per token for ids plus 1 for the target
+mask), EOS appended. Each epoch concatenates the documents in a seeded order into one infinite
+stream, cut into samples of seq_len + 1 tokens. Data-parallel rank r takes samples r, r + W, ...
+of every global step of local_batch_size * W samples, so shards are disjoint and equally long.
+"""
+
+import hashlib
+import json
+import logging
+from array import array
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from tokenizers import Tokenizer
+
+from models.loss import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EOS = "<|endoftext|>"
+JSON_SUFFIXES = (".jsonl", ".json")
+SUPPORTED_SUFFIXES = (*JSON_SUFFIXES, ".txt", ".parquet")
+_ENCODE_BATCH = 1024  # segments per tokenizer call: amortizes the Rust call, bounds memory
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _read_json_if_present(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_id(tokenizer: Tokenizer, token: str, *, source: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"EOS token {token!r} (from {source}) is not in the tokenizer vocabulary")
+    return token_id
+
+
+def _resolve_eos_id(tokenizer: Tokenizer, directory: Path) -> int:
+    """EOS from tokenizer_config.json's eos_token, else config.json's eos_token_id, else
+    <|endoftext|> (Qwen base models)."""
+    eos = _read_json_if_present(directory / "tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):  # older HF configs store an AddedToken dict
+        eos = eos.get("content")
+    if eos:
+        return _token_id(tokenizer, eos, source="tokenizer_config.json")
+    eos_id = _read_json_if_present(directory / "config.json").get("eos_token_id")
+    if isinstance(eos_id, list):  # generation-style configs list several; the first ends text
+        eos_id = eos_id[0] if eos_id else None
+    if isinstance(eos_id, int):
+        return eos_id
+    return _token_id(tokenizer, DEFAULT_EOS, source="the default")
+
+
+def load_tokenizer(model_or_tokenizer_dir: str | Path) -> tuple[Tokenizer, int]:
+    """The directory's tokenizer.json and the EOS id that ends every packed document."""
+    directory = Path(model_or_tokenizer_dir)
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"tokenizer.json not found in {directory}")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    return tokenizer, _resolve_eos_id(tokenizer, directory)
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents
+
+
+@dataclass(frozen=True)
+class Document:
+    """Text pieces with their loss role; tokenized piece by piece so masks follow token edges."""
+
+    segments: tuple[tuple[str, bool], ...]
+    """(text, is_target) in order."""
+    eos_is_target: bool
+    """Plain text learns to end; in chat the EOS only separates conversations."""
+
+
+def plain_document(text: str) -> Document:
+    return Document(segments=((text, True),), eos_is_target=True)
+
+
+def chat_document(messages: list[dict], *, where: str) -> Document:
+    """ChatML rendering; only assistant content + <|im_end|> are targets."""
+    segments = []
+    for message in messages:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: each message needs string 'role' and 'content', "
+                             f"got {message!r}")
+        role, content = message["role"], message["content"]
+        if role == "assistant":
+            segments += [(f"<|im_start|>{role}\n", False), (f"{content}<|im_end|>", True),
+                         ("\n", False)]
+        else:
+            segments.append((f"<|im_start|>{role}\n{content}<|im_end|>\n", False))
+    return Document(segments=tuple(segments), eos_is_target=False)
+
+
+def record_document(record: object, *, where: str) -> Document:
+    """A JSON line or parquet row: `messages` (chat) or `text` (plain)."""
+    if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        return chat_document(record["messages"], where=where)
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return plain_document(record["text"])
+    raise ValueError(f"{where}: expected an object with a 'text' string or a 'messages' list")
+
+
+def _read_json_lines(path: Path) -> Iterator[Document]:
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: malformed JSON ({e.msg})") from None
+            yield record_document(record, where=where)
+
+
+def _read_text(path: Path) -> Iterator[Document]:
+    lines: list[str] = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                lines.append(line.rstrip("\n"))
+            elif lines:
+                yield plain_document("\n".join(lines))
+                lines = []
+    if lines:
+        yield plain_document("\n".join(lines))
+
+
+def _read_parquet(path: Path) -> Iterator[Document]:
+    parquet = pq.ParquetFile(path)
+    names = parquet.schema_arrow.names
+    column = next((c for c in ("messages", "text") if c in names), None)
+    if column is None:
+        raise ValueError(f"{path}: no 'messages' or 'text' column (columns: {names})")
+    row = 0
+    for group in range(parquet.num_row_groups):
+        for value in parquet.read_row_group(group, columns=[column]).column(column).to_pylist():
+            yield record_document({column: value}, where=f"{path}:row {row}")
+            row += 1
+
+
+def _read_documents(path: Path) -> Iterator[Document]:
+    if path.suffix in JSON_SUFFIXES:
+        return _read_json_lines(path)
+    if path.suffix == ".txt":
+        return _read_text(path)
+    return _read_parquet(path)
+
+
+def resolve_data_files(paths: str) -> list[Path]:
+    """Files named by a comma-separated list of files and directories."""
+    supported = "/".join(SUPPORTED_SUFFIXES)
+    files: list[Path] = []
+    for entry in (p.strip() for p in paths.split(",") if p.strip()):
+        path = Path(entry)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*")
+                           if p.is_file() and p.suffix in SUPPORTED_SUFFIXES)
+            if not found:
+                raise FileNotFoundError(f"no {supported} files under {path}")
+            files += found
+        elif path.is_file():
+            if path.suffix not in SUPPORTED_SUFFIXES:
+                raise ValueError(f"{path}: unsupported data file type (use {supported})")
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"data path not found: {path}")
+    if not files:
+        raise ValueError(f"no data paths given in {paths!r}")
+    return files
+
+
+def read_documents(paths: str) -> Iterator[Document]:
+    for path in resolve_data_files(paths):
+        yield from _read_documents(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenized corpus
+
+
+@dataclass(frozen=True)
+class TokenizedCorpus:
+    """All documents' tokens back to back, each ending in EOS."""
+
+    tokens: torch.Tensor
+    """int32 (total_tokens,)."""
+    targets: torch.Tensor
+    """bool (total_tokens,): the token is a loss target."""
+    offsets: torch.Tensor
+    """int64 (num_docs + 1,): document d is tokens[offsets[d]:offsets[d + 1]]."""
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def _batched(documents: Iterable[Document], *, max_segments: int) -> Iterator[list[Document]]:
+    batch, segments = [], 0
+    for doc in documents:
+        batch.append(doc)
+        segments += len(doc.segments)
+        if segments >= max_segments:
+            yield batch
+            batch, segments = [], 0
+    if batch:
+        yield batch
+
+
+def tokenize_corpus(documents: Iterable[Document], tokenizer: Tokenizer, *,
+                    eos_id: int) -> TokenizedCorpus:
+    """Tokenize piece by piece (so target flags follow token edges), EOS after each document."""
+    tokens, targets, offsets = array("i"), bytearray(), array("q", [0])
+    for batch in _batched(documents, max_segments=_ENCODE_BATCH):
+        texts = [text for doc in batch for text, _ in doc.segments]
+        encodings = iter(tokenizer.encode_batch(texts, add_special_tokens=False))
+        for doc in batch:
+            for _, is_target in doc.segments:
+                ids = next(encodings).ids
+                tokens.extend(ids)
+                targets.extend(bytes([is_target]) * len(ids))
+            tokens.append(eos_id)
+            targets.append(doc.eos_is_target)
+            offsets.append(len(tokens))
+    if len(offsets) == 1:
+        raise ValueError("the data paths hold no documents")
+    return TokenizedCorpus(tokens=torch.frombuffer(tokens, dtype=torch.int32),
+                           targets=torch.frombuffer(targets, dtype=torch.bool),
+                           offsets=torch.frombuffer(offsets, dtype=torch.int64))
+
+
+def epoch_permutation(*, seed: int, epoch: int, num_docs: int) -> torch.Tensor:
+    """Document order of one epoch; a hash of (seed, epoch) keeps nearby seeds unrelated."""
+    digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.randperm(num_docs, generator=generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed stream
+
+
+class PackedStream:
+    """Read head over the infinite concatenation of epochs of shuffled documents."""
+
+    def __init__(self, corpus: TokenizedCorpus, *, seed: int) -> None:
+        self.corpus, self.seed = corpus, seed
+        # The next token is at `offset` inside document order[cursor] of `epoch`.
+        self.epoch, self.cursor, self.offset = 0, 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        return epoch_permutation(seed=self.seed, epoch=epoch, num_docs=self.corpus.num_docs)
+
+    def seek(self, *, epoch: int, cursor: int, offset: int) -> None:
+        if epoch != self.epoch:
+            self._order = self._permutation(epoch)
+        self.epoch, self.cursor, self.offset = epoch, cursor, offset
+
+    def _next_epoch(self) -> None:
+        self.seek(epoch=self.epoch + 1, cursor=0, offset=0)
+        logger.info("data: epoch %d begins (%d documents, %d tokens)",
+                    self.epoch, self.corpus.num_docs, self.corpus.num_tokens)
+
+    def _advance(self, n: int, *, collect: bool) -> list[tuple[int, int]]:
+        """Move n tokens ahead; returns the (start, end) corpus ranges passed when collecting."""
+        ranges = []
+        offsets = self.corpus.offsets
+        while n > 0:
+            doc = int(self._order[self.cursor])
+            start, doc_end = int(offsets[doc]) + self.offset, int(offsets[doc + 1])
+            step = min(n, doc_end - start)
+            if collect:
+                ranges.append((start, start + step))
+            n -= step
+            self.offset += step
+            if start + step == doc_end:
+                self.cursor, self.offset = self.cursor + 1, 0
+                if self.cursor == self.corpus.num_docs:
+                    self._next_epoch()
+        return ranges
+
+    def skip(self, n: int) -> None:
+        self._advance(n, collect=False)
+
+    def take(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next n tokens (int32) and their target flags (bool)."""
+        ranges = self._advance(n, collect=True)
+        tokens = torch.cat([self.corpus.tokens[a:b] for a, b in ranges])
+        targets = torch.cat([self.corpus.targets[a:b] for a, b in ranges])
+        return tokens, targets
+
+
+def shift_sample(tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """seq_len + 1 tokens -> (input_ids, labels); labels of non-target tokens are masked."""
+    labels = tokens[1:].long().masked_fill(~targets[1:], IGNORE_INDEX)
+    return tokens[:-1].long(), labels
+
+
+class PackedDataLoader:
+    """Infinite, deterministic, resumable batches of packed samples for one data-parallel rank.
+
+    The position is kept at global-step boundaries (every rank reads past the other ranks'
+    samples), so `state_dict()` is the same on every rank and may be saved from rank 0 only.
+    """
+
+    def __init__(self, paths: str, tokenizer: Tokenizer, *, eos_id: int, seq_len: int,
+                 local_batch_size: int, dp_rank: int = 0, dp_world: int = 1, seed: int = 0) -> None:
+        if seq_len < 1 or local_batch_size < 1:
+            raise ValueError(f"seq_len ({seq_len}) and local_batch_size ({local_batch_size}) "
+                             "must be >= 1")
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_world})")
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.dp_rank, self.dp_world, self.seed = dp_rank, dp_world, seed
+        self.corpus = tokenize_corpus(read_documents(paths), tokenizer, eos_id=eos_id)
+        self.stream = PackedStream(self.corpus, seed=seed)
+        self.sample = 0  # global index of the next sample: the first of the next global step
+        target_share = self.corpus.targets.count_nonzero().item() / self.corpus.num_tokens
+        logger.info("data: %d documents, %d tokens (%.0f%% targets) from %s",
+                    self.corpus.num_docs, self.corpus.num_tokens, 100 * target_share, paths)
+
+    @property
+    def epoch(self) -> int:
+        return self.stream.epoch
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sample_tokens = self.seq_len + 1
+        step_samples = self.local_batch_size * self.dp_world
+        inputs, labels = [], []
+        head = 0  # samples of this global step already passed
+        for i in range(self.local_batch_size):
+            own = i * self.dp_world + self.dp_rank
+            self.stream.skip(sample_tokens * (own - head))
+            x, y = shift_sample(*self.stream.take(sample_tokens))
+            inputs.append(x)
+            labels.append(y)
+            head = own + 1
+        self.stream.skip(sample_tokens * (step_samples - head))
+        self.sample += step_samples
+        return torch.stack(inputs), torch.stack(labels)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, labels), int64 (local_batch_size, seq_len); iterators share one position."""
+        while True:
+            yield self._next_batch()
+
+    def _fingerprint(self) -> dict:
+        """What must match for a saved position to mean the same samples."""
+        return {"seed": self.seed, "seq_len": self.seq_len, "num_tokens": self.corpus.num_tokens}
+
+    def state_dict(self) -> dict:
+        position = {"epoch": self.stream.epoch, "cursor": self.stream.cursor,
+                    "offset": self.stream.offset, "sample": self.sample}
+        return position | self._fingerprint()
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key, value in self._fingerprint().items():
+            if sd[key] != value:
+                raise ValueError(f"data state mismatch: checkpoint has {key}={sd[key]}, "
+                                 f"this loader {value}")
+        self.stream.seek(epoch=sd["epoch"], cursor=sd["cursor"], offset=sd["offset"])
+        self.sample = sd["sample"]

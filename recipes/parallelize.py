@@ -1,0 +1,163 @@
+"""The GPU-resident baselines behind the TrainBackend seam: `single` (one process, one device) and
+`fsdp2` (torch FSDP2, one process per device).
+
+Both keep FP32 master weights and train with torch AdamW. The loss of every micro-batch is its
+token-loss sum divided by the step's global target-token count, and FSDP2's gradient reduction
+is a plain sum, so the gradient is exactly the single-process gradient of the global batch.
+"""
+
+from collections.abc import Iterator
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from models.args import QwenArgs
+from models.loss import chunked_cross_entropy_sum
+from models.qwen import QwenModel
+from recipes.backend import Batch, StepResult
+from recipes.config import JobConfig
+
+
+def build_model(args: QwenArgs, *, seed: int, hf_dir: str = "") -> QwenModel:
+    """The full FP32 model on the CPU: seeded random init, or the weights of `hf_dir`. Every
+    backend starts from this so the same seed means the same weights in every mode."""
+    model = QwenModel(args)
+    if hf_dir:
+        from models.hf_checkpoint import load_hf_into_model  # safetensors only when needed
+
+        load_hf_into_model(model, hf_dir)
+    else:
+        torch.manual_seed(seed)
+        model.init_weights()
+    return model
+
+
+def apply_activation_checkpointing(model: QwenModel, *, mode: str) -> None:
+    """'full': recompute each block in backward (non-reentrant, parameter names unchanged)."""
+    if mode == "full":
+        for block in model.layers:
+            checkpoint(block)
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], *, max_norm: float) -> float:
+    """Global L2 norm of the gradients before clipping; clips in place when max_norm > 0.
+    Sharded (DTensor) gradients give a partial norm that full_tensor() reduces over ranks."""
+    with_grad = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm)
+    return norm.item()
+
+
+class EagerBackend:
+    """A model resident in device memory (plain or FSDP2-sharded) trained with torch AdamW."""
+
+    def __init__(self, model: nn.Module, config: JobConfig, *, device: torch.device,
+                 autocast: bool, reduce_loss: bool) -> None:
+        self.model, self.device = model, device
+        self.autocast, self.reduce_loss = autocast, reduce_loss
+        self.max_norm = config.training.max_norm
+        self.chunk_tokens = config.training.loss_chunk_tokens
+        opt = config.optimizer
+        self.params = list(model.parameters())
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+            weight_decay=opt.weight_decay, fused=True if device.type == "cuda" else None)
+
+    def _forward_context(self):
+        if self.autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def train_step(self, micro_batches: list[Batch], *, lr: float,
+                   global_target_tokens: int) -> StepResult:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for input_ids, labels in micro_batches:
+            input_ids = input_ids.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            with self._forward_context():
+                hidden = self.model(input_ids)
+                loss = chunked_cross_entropy_sum(hidden, self.model.head_weight(), labels,
+                                                 chunk_tokens=self.chunk_tokens)
+            (loss / global_target_tokens).backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(self.params, max_norm=self.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.reduce_loss:
+            dist.all_reduce(loss_sum)
+        return StepResult(loss_sum=loss_sum.item(), grad_norm=grad_norm)
+
+    def named_master_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.model.named_parameters():
+            tensor = param.detach()
+            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    def close(self) -> None:
+        del self.optimizer, self.params, self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def build_single_backend(config: JobConfig, args: QwenArgs, *, device: torch.device) -> EagerBackend:
+    """FP32 weights on one device; BF16 compute through autocast."""
+    model = build_model(args, seed=config.training.seed, hf_dir=config.model.hf_dir)
+    apply_activation_checkpointing(model, mode=config.activation_checkpoint.mode)
+    return EagerBackend(model.to(device), config, device=device,
+                        autocast=config.training.dtype == "bf16", reduce_loss=False)
+
+
+def build_fsdp2_backend(config: JobConfig, args: QwenArgs, *, device: torch.device) -> EagerBackend:
+    """FSDP2 over all ranks of the default process group: one shard group per block plus the
+    root (embedding, final norm, head); BF16 all-gathers and FP32 gradient reduce-scatters."""
+    training = config.training
+    if training.init_on_meta:
+        with torch.device("meta"):
+            model = QwenModel(args)
+    else:
+        model = build_model(args, seed=training.seed, hf_dir=config.model.hf_dir)
+    apply_activation_checkpointing(model, mode=config.activation_checkpoint.mode)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if training.dtype == "bf16":
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp_policy = MixedPrecisionPolicy()
+    for i, block in enumerate(model.layers):
+        # The last block's parameters are needed again right away by backward: keep them.
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy,
+                    reshard_after_forward=i < len(model.layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if training.init_on_meta:
+        model.to_empty(device=device)
+        torch.manual_seed(training.seed)
+        model.init_weights()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The loss is already normalized by the global token count: reduce by a plain sum
+            # (not FSDP's default mean over ranks). Sum-only also avoids PREMUL_SUM, which gloo lacks.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return EagerBackend(model, config, device=device, autocast=False, reduce_loss=True)
+
+
+def build_backend(config: JobConfig, args: QwenArgs, *, device: torch.device, dp_rank: int,
+                  dp_world: int):
+    """The TrainBackend of `parallelism.mode`."""
+    mode = config.parallelism.mode
+    if mode == "single":
+        return build_single_backend(config, args, device=device)
+    if mode == "fsdp2":
+        return build_fsdp2_backend(config, args, device=device)
+    from slidedp.engine import build_slidedp_backend  # the runtime loads only when asked for
+
+    return build_slidedp_backend(config, args, device=device, dp_rank=dp_rank, dp_world=dp_world)

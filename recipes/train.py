@@ -1,0 +1,192 @@
+"""The training entry point: `python -m recipes.train --job.config_file X [--section.key=value ...]`,
+one process per GPU under torchrun (see run_train.sh).
+
+The loop is mode-agnostic: it draws micro-batches, counts the step's global target tokens, asks
+the backend of `parallelism.mode` for one optimizer step, logs and saves. Configuration errors
+are reported as one line (`error: ...`, exit code 2) before any work starts.
+"""
+
+import itertools
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from models.args import QwenArgs
+from models.flavors import PUBLISHED_BILLIONS
+from models.loss import IGNORE_INDEX
+from recipes.backend import Batch, TrainBackend
+from recipes.config import ConfigError, JobConfig, parse_config, resolve_model
+from recipes.lr_schedule import LRSchedule
+from recipes.metrics import MetricsLogger, memory, throughput
+from recipes.parallelize import build_backend
+
+logger = logging.getLogger("recipes")
+
+
+def synthetic_batches(*, vocab_size: int, seq_len: int, local_batch_size: int, dp_rank: int,
+                      dp_world: int, seed: int) -> Iterator[Batch]:
+    """Uniform random tokens, every position a target. Global sample g comes from its own
+    generator seeded by (seed, g), and rank r takes samples r, r + W, ... of each global
+    micro-batch (as PackedDataLoader does), so any world size sees the same global batches."""
+    generator = torch.Generator()
+    global_batch = local_batch_size * dp_world
+    for first in itertools.count(0, global_batch):
+        rows = []
+        for i in range(local_batch_size):
+            generator.manual_seed((seed << 32) + first + i * dp_world + dp_rank)
+            rows.append(torch.randint(vocab_size, (seq_len + 1,), generator=generator))
+        tokens = torch.stack(rows)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def build_batches(config: JobConfig, args: QwenArgs, *, dp_rank: int,
+                  dp_world: int) -> Iterator[Batch]:
+    """This rank's infinite stream of (input_ids, labels) micro-batches."""
+    training = config.training
+    shape = dict(seq_len=training.seq_len, local_batch_size=training.local_batch_size,
+                 dp_rank=dp_rank, dp_world=dp_world, seed=training.seed)
+    if training.dataset == "synthetic":
+        return synthetic_batches(vocab_size=args.vocab_size, **shape)
+    from recipes.data import PackedDataLoader, load_tokenizer  # tokenizers/pyarrow only for files
+
+    tokenizer_dir = config.model.tokenizer_dir or config.model.hf_dir
+    tokenizer, eos_id = load_tokenizer(tokenizer_dir)
+    if tokenizer.get_vocab_size() > args.vocab_size:
+        raise ConfigError(f"model.tokenizer_dir: {tokenizer_dir} has {tokenizer.get_vocab_size()} "
+                          f"tokens, more than the model's vocab_size {args.vocab_size}")
+    return iter(PackedDataLoader(training.dataset_path, tokenizer, eos_id=eos_id, **shape))
+
+
+def _global_target_tokens(micro_batches: list[Batch], *, device: torch.device) -> int:
+    count = torch.tensor(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches),
+                         dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    return int(count.item())
+
+
+def save_checkpoint(backend: TrainBackend, config: JobConfig, args: QwenArgs, *, step: int,
+                    rank: int) -> None:
+    """HF-format save to <save_dir>/step-<step>. Every rank walks the parameters (gathering may
+    communicate); rank 0 writes."""
+    tensors = backend.named_master_parameters()
+    if rank != 0:
+        for _ in tensors:
+            pass
+        return
+    from models.hf_checkpoint import load_config_json, save_hf_checkpoint
+
+    hf_dir = config.model.hf_dir
+    out = Path(config.checkpoint.save_dir) / f"step-{step}"
+    save_hf_checkpoint(tensors, args, out,
+                       copy_tokenizer_from=config.model.tokenizer_dir or hf_dir or None,
+                       source_config=load_config_json(hf_dir) if hf_dir else None)
+    logger.info("saved Hugging Face checkpoint to %s", out)
+
+
+def _describe_model(name: str, args: QwenArgs) -> str:
+    billions = args.num_params() / 1e9
+    published = PUBLISHED_BILLIONS.get(name)
+    versus = f" (published: {published}B)" if published is not None else ""
+    return f"model {name}: {billions:.3f}B parameters{versus}, {args.n_layers} layers"
+
+
+def _init_distributed(device: torch.device, *, world: int) -> None:
+    """The default process group: torchrun's env:// rendezvous, or a one-rank group in-process
+    (FSDP2 and SlideDP need one even alone)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    device_id = device if device.type == "cuda" else None
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, device_id=device_id)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=world,
+                                device_id=device_id)
+
+
+def train(config: JobConfig) -> None:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    mode = config.parallelism.mode
+    if mode == "single" and world > 1:
+        raise ConfigError(f'parallelism.mode = "single" runs one process, but WORLD_SIZE={world}; '
+                          'use "fsdp2" or "slidedp"')
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if mode != "single":
+        _init_distributed(device, world=world)
+    try:
+        _run(config, rank=rank, world=world, device=device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> None:
+    training = config.training
+    name, args = resolve_model(config)
+    if config.job.description:
+        logger.info("%s", config.job.description)
+    logger.info("%s", _describe_model(name, args))
+    batches = build_batches(config, args, dp_rank=rank, dp_world=world)
+    global_tokens = training.local_batch_size * training.seq_len * training.grad_accum_steps * world
+    logger.info("mode %s on %d x %s, %s compute, global batch %d tokens (%d x %d seq x %d accum "
+                "x %d ranks)", config.parallelism.mode, world, device.type, training.dtype,
+                global_tokens, training.local_batch_size, training.seq_len,
+                training.grad_accum_steps, world)
+    torch.manual_seed(training.seed)
+    backend = build_backend(config, args, device=device, dp_rank=rank, dp_world=world)
+    schedule = LRSchedule(lr=config.optimizer.lr, total_steps=training.steps,
+                          warmup_steps=config.lr_scheduler.warmup_steps,
+                          decay_type=config.lr_scheduler.decay_type,
+                          min_lr_factor=config.lr_scheduler.min_lr_factor)
+    metrics = MetricsLogger(config.job.dump_folder, enabled=rank == 0,
+                            log_freq=config.metrics.log_freq, last_step=training.steps,
+                            jsonl=config.metrics.jsonl,
+                            tensorboard=config.metrics.enable_tensorboard)
+    flops_per_token = args.flops_per_token(training.seq_len)
+    interval, save_dir = config.checkpoint.interval, config.checkpoint.save_dir
+    try:
+        for step in range(1, training.steps + 1):
+            start = time.perf_counter()
+            micro_batches = [next(batches) for _ in range(training.grad_accum_steps)]
+            target_tokens = _global_target_tokens(micro_batches, device=device)
+            lr = schedule.lr_at(step)
+            result = backend.train_step(micro_batches, lr=lr, global_target_tokens=target_tokens)
+            step_time = time.perf_counter() - start
+            metrics.log(step, {
+                "loss": result.loss_sum / max(target_tokens, 1), "lr": lr,
+                "grad_norm": result.grad_norm, "target_tokens": target_tokens,
+                **throughput(global_tokens=global_tokens, step_time=step_time,
+                             flops_per_token=flops_per_token, world=world,
+                             on_cuda=device.type == "cuda"),
+                **memory(device), "step_time_s": step_time, **result.extra})
+            if save_dir and (step == training.steps or (interval and step % interval == 0)):
+                save_checkpoint(backend, config, args, step=step, rank=rank)
+    finally:
+        metrics.close()
+        backend.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_config(sys.argv[1:] if argv is None else argv)
+        train(config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""SlideDP: host-resident layer streaming with synchronous data parallelism.
+
+  config.py       the [slidedp] TOML section
+  layout.py       units, flat offsets and per-rank shards of the host state
+  host_state.py   the shared-memory FP32 master + Adam moments (+ BF16 shadow)
+  delivery.py     host->GPU parameter routes (replicated | sharded)
+  update.py       GPU->host gradient routes (gpu | cpu reduction) and the CPU AdamW
+  cpu_adam.py     the C++ fused AdamW kernel (csrc/) and its torch fallback
+  schedule.py     which unit uses which GPU buffer, and when a delivery is needed
+  activations.py  per-block activation policy (keep | recompute)
+  streams.py      CUDA streams/events that are no-ops on the CPU
+  traffic.py      per-step byte counters of each route
+  engine.py       the streamed training step (TrainBackend)
+"""

@@ -1,0 +1,54 @@
+"""Activation policy per block: keep on GPU, or recompute in backward.
+
+Keeping a block's activations normally pins its weights too (autograd saves them for the
+backward matmuls). `WeightRefs` breaks that tie: while a block runs forward, saved tensors that
+live in a GPU parameter buffer are stored as (unit, offset, size, stride) references and resolved
+in backward against whichever buffer holds that unit then. The weights can leave the window and
+be re-delivered; the kept activations stay. (Offload to host memory is the next policy to plug in
+here: it is another pack/unpack pair.)
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+POLICIES = ("keep", "recompute")
+
+
+@dataclass(frozen=True)
+class _WeightRef:
+    unit: int
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+class WeightRefs:
+    """saved_tensors_hooks that swap parameter-buffer tensors for references."""
+
+    def __init__(self, buffers: list[torch.Tensor], resolve: Callable[[int], torch.Tensor]):
+        self._ptrs = {b.untyped_storage().data_ptr() for b in buffers}
+        self._resolve = resolve
+
+    def during_forward_of(self, unit: int):
+        """Context for one block's forward: pack weights of `unit` as references."""
+
+        def pack(t: torch.Tensor):
+            if t.device.type != "meta" and t.untyped_storage().data_ptr() in self._ptrs:
+                return _WeightRef(unit, t.storage_offset(), t.size(), t.stride())
+            return t
+
+        def unpack(x):
+            if isinstance(x, _WeightRef):
+                return torch.as_strided(self._resolve(x.unit), x.size, x.stride, x.offset)
+            return x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def block_policies(n_blocks: int, *, default: str, keep_blocks: int) -> list[str]:
+    """Per-block policy: the first `keep_blocks` keep activations, the rest use `default`."""
+    if default not in POLICIES:
+        raise ValueError(f"slidedp.activation must be one of {POLICIES}, got {default!r}")
+    return ["keep" if i < keep_blocks else default for i in range(n_blocks)]

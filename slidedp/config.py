@@ -1,0 +1,31 @@
+"""The `[slidedp]` TOML section."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SlideDPConfig:
+    """Knobs of the host-resident streaming runtime (used when parallelism.mode = "slidedp")."""
+
+    delivery: str = "sharded"
+    """Parameter route host->GPU: "replicated" (every rank copies the whole block) or "sharded"
+    (each rank copies 1/R, then all-gather on the GPUs)."""
+    reduction: str = "gpu"
+    """Gradient route GPU->host: "gpu" (reduce-scatter on the GPUs, one aggregated shard per rank
+    returns) or "cpu" (every rank returns its full gradient, the host sums)."""
+    window_slots: int = 3
+    """GPU parameter slots for transformer blocks (>= 2: one computing, one being delivered)."""
+    chunk_mib: float = 32.0
+    """Chunk size in MiB for the cast/H2D and D2H/update pipelines inside a block."""
+    activation: str = "recompute"
+    """Default activation policy per block: "keep" (on GPU) or "recompute" (full recompute)."""
+    keep_blocks: int = 0
+    """The first N blocks keep activations on GPU regardless of `activation` (seam for the
+    per-block elastic policy)."""
+    cpu_threads: int = 0
+    """CPU Adam threads per rank; 0 = this rank's share of the host's cores."""
+    bf16_shadow: bool = True
+    """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
+    so delivery is a plain copy (2 bytes/param more host memory, half the cast work)."""
+    shm_dir: str = "/dev/shm"
+    """Directory for the shared-memory mapping of the host state (a tmpfs)."""

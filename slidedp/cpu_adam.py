@@ -1,0 +1,190 @@
+"""Fused CPU Adam/AdamW on flat ranges of the host-resident FP32 state.
+
+The kernel (`csrc/cpu_adam.cpp`) reads the BF16 or FP32 gradient, updates the FP32 params and
+moments, and optionally writes a BF16 copy of the params, all in one pass over memory. It is
+compiled on first use into `${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` and loaded with ctypes, which
+releases the GIL for the call, so the runtime can update one slice while other threads move the
+next. Without a compiler the same math runs in torch ops (`torch._fused_adamw_` and separate casts).
+
+`SLIDEDP_CPU_ADAM_ISA=avx512bf16|avx512|avx2|scalar|torch` forces a code path.
+"""
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+ISA_ENV = "SLIDEDP_CPU_ADAM_ISA"
+NATIVE_ISAS = ("avx512bf16", "avx512", "avx2", "scalar")  # best first
+TORCH_ISA = "torch"
+_ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}  # `Isa` in the C++
+_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_adam.cpp"
+# No -march: one build serves every CPU, each ISA path carries its own target attribute.
+# -ffp-contract=off keeps every path rounding exactly as written (and as torch's kernel does).
+_CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-ffp-contract=off",
+              "-fno-math-errno", "-Wno-psabi")
+
+
+class _BuildError(RuntimeError):
+    pass
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SLIDEDP_CACHE_DIR") or Path.home() / ".cache" / "slidedp")
+
+
+def _build() -> Path:
+    """Compile the kernel unless a build of this source with this compiler is cached."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise _BuildError(f"no C++ compiler: {cxx!r} is not on PATH")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join(
+        [_SOURCE.read_bytes(), version.encode(), " ".join(_CXX_FLAGS).encode(), platform.machine().encode()]
+    )).hexdigest()[:16]
+    cache = _cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"cpu_adam_{key}.so"
+    if target.exists():
+        return target
+    # One process compiles while the others (ranks starting together) wait for it; the build goes
+    # to a temp file renamed into place, so nobody ever loads a half-written library.
+    with open(cache / f"cpu_adam_{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        print(f"slidedp: compiling the CPU Adam kernel {_SOURCE} -> {target}", file=sys.stderr, flush=True)
+        fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{target.stem}.", suffix=".so")
+        os.close(fd)
+        try:
+            result = subprocess.run([cxx, *_CXX_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise _BuildError(f"{cxx} failed:\n{result.stderr[-4000:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (with a warning) when it cannot be built or loaded."""
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (_BuildError, OSError, subprocess.SubprocessError) as e:
+        warnings.warn(f"slidedp: CPU Adam kernel unavailable, using the slower torch fallback: {e}",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    lib.slidedp_cpu_adam_isa_supported.argtypes = [ctypes.c_int]
+    lib.slidedp_cpu_adam_isa_supported.restype = ctypes.c_int
+    lib.slidedp_cpu_adam_update.argtypes = [
+        ctypes.c_int,  # isa
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # param, grad, grad_is_bf16
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # exp_avg, exp_avg_sq, bf16_out
+        ctypes.c_int64, ctypes.c_int64,  # n, step
+        ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,  # lr .. wd
+        ctypes.c_int, ctypes.c_double, ctypes.c_int,  # adamw, grad_scale, num_threads
+    ]
+    lib.slidedp_cpu_adam_update.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def _available() -> tuple[str, ...]:
+    lib = _library()
+    native = [] if lib is None else [isa for isa in NATIVE_ISAS if lib.slidedp_cpu_adam_isa_supported(_ISA_CODES[isa])]
+    return (*native, TORCH_ISA)
+
+
+def available_isas() -> list[str]:
+    """Code paths usable here, best first; 'torch' (the fallback) is always last."""
+    return list(_available())
+
+
+def active_isa() -> str:
+    """The path `adam_update` takes: the best available, or the one forced by SLIDEDP_CPU_ADAM_ISA."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if not forced:
+        return _available()[0]
+    if forced not in (*NATIVE_ISAS, TORCH_ISA):
+        raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {', '.join((*NATIVE_ISAS, TORCH_ISA))}")
+    if forced not in _available():
+        raise RuntimeError(f"{ISA_ENV}={forced!r} is not available here (this CPU/build has: "
+                           f"{', '.join(_available())})")
+    return forced
+
+
+def default_num_threads() -> int:
+    """This process's share of the cores: its affinity mask split among the node's ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def _check(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
+    if (t.device.type != "cpu" or t.dtype not in dtypes or t.dim() != 1 or not t.is_contiguous()
+            or t.numel() != numel):
+        want = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"adam_update: {name} must be a 1-D contiguous CPU {want} tensor of {numel} "
+                         f"elements; got shape {tuple(t.shape)}, stride {t.stride()}, {t.dtype} on {t.device}")
+
+
+def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
+                beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool = True,
+                grad_scale: float = 1.0, bf16_out: Tensor | None = None, num_threads: int | None = None) -> None:
+    """One Adam(W) step in place on a flat range, as torch.optim.AdamW/Adam(fused=True) would do it.
+
+    param/exp_avg/exp_avg_sq: 1-D contiguous float32 CPU tensors (views into bigger buffers are fine);
+    grad: bf16 or float32, same length, used as grad * grad_scale. adamw=False is Adam with L2 weight
+    decay. step counts from 1 (after the increment). bf16_out, when given, receives the updated
+    params rounded to bf16 (round-to-nearest-even). num_threads defaults to `default_num_threads()`.
+    """
+    n = param.numel()
+    _check("param", param, (torch.float32,), n)
+    _check("grad", grad, (torch.bfloat16, torch.float32), n)
+    _check("exp_avg", exp_avg, (torch.float32,), n)
+    _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    if bf16_out is not None:
+        _check("bf16_out", bf16_out, (torch.bfloat16,), n)
+    if step < 1:
+        raise ValueError(f"adam_update: step counts from 1, got {step}")
+    threads = default_num_threads() if num_threads is None else num_threads
+    if threads < 1:
+        raise ValueError(f"adam_update: num_threads must be >= 1, got {threads}")
+    isa = active_isa()
+    if n == 0:
+        return
+    if isa == TORCH_ISA:
+        _torch_update(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                      weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, bf16_out=bf16_out)
+        return
+    rc = _library().slidedp_cpu_adam_update(
+        _ISA_CODES[isa], param.data_ptr(), grad.data_ptr(), int(grad.dtype == torch.bfloat16),
+        exp_avg.data_ptr(), exp_avg_sq.data_ptr(), None if bf16_out is None else bf16_out.data_ptr(),
+        n, step, lr, beta1, beta2, eps, weight_decay, int(adamw), grad_scale, threads)
+    if rc != 0:
+        raise RuntimeError(f"adam_update: the kernel refused ISA {isa!r} (code {rc})")
+
+
+def _torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
+                  beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool, grad_scale: float,
+                  bf16_out: Tensor | None) -> None:
+    """The fallback: torch's fused kernel plus the casts around it (torch's intra-op threads)."""
+    if grad.dtype != torch.float32 or grad_scale != 1.0:
+        grad = grad.float() * grad_scale
+    fused = torch._fused_adamw_ if adamw else torch._fused_adam_
+    fused([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr, beta1=beta1,
+          beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    if bf16_out is not None:
+        bf16_out.copy_(param)

@@ -1,0 +1,335 @@
+"""SlideDP as a TrainBackend: the streamed step over the shared host state.
+
+Three threads per rank:
+  compute (the caller)  forward/backward block by block through the GPU window;
+  delivery              version gate -> host->GPU copy (+ all-gather) into a free buffer, ahead
+                        of use (one job per planned delivery, in use order);
+  update                gradient reduce + return -> host accumulation -> CPU AdamW on the rank's
+                        shard, chunk by chunk, overlapped with backward of earlier blocks.
+Handshakes are futures carrying CUDA events, so waits happen on the device wherever possible.
+"""
+
+import math
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from models.args import QwenArgs
+from models.loss import chunked_cross_entropy_sum
+from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
+from recipes.backend import Batch, StepResult
+from slidedp.activations import WeightRefs, block_policies
+from slidedp.delivery import Delivery
+from slidedp.host_state import HostStatePlan, SharedHostState, available_host_bytes, host_state_bytes
+from slidedp.layout import SHARD_ALIGN, StateLayout, Unit
+from slidedp.schedule import Use, plan_micro_batch
+from slidedp.streams import Streams
+from slidedp.traffic import Traffic
+from slidedp.update import AdamHyper, GradientReturn, HostOptimizer
+
+
+class SlideDPBackend:
+    """Host-resident layer streaming with synchronous data-parallel semantics."""
+
+    def __init__(self, job_config, model_args: QwenArgs, *, device: torch.device, dp_rank: int,
+                 dp_world: int):
+        cfg, tr, opt = job_config.slidedp, job_config.training, job_config.optimizer
+        self.cfg, self.args, self.device = cfg, model_args, device
+        self.rank, self.world = dp_rank, dp_world
+        self.max_norm, self.loss_chunk = tr.max_norm, tr.loss_chunk_tokens
+        self.layout = StateLayout(model_args, world=dp_world)
+        plan = HostStatePlan(bf16_shadow=cfg.bf16_shadow,
+                             grad_accum=tr.grad_accum_steps > 1 or tr.max_norm > 0,
+                             cpu_staging=cfg.reduction == "cpu")
+        self._check_host_memory(plan)
+        self.policies = block_policies(model_args.n_layers, default=cfg.activation,
+                                       keep_blocks=cfg.keep_blocks)
+
+        distributed = dp_world > 1
+        self.host_group = dist.new_group(backend="gloo") if distributed else None
+        run_id = [SharedHostState.new_run_id()]
+        if distributed:
+            dist.broadcast_object_list(run_id, src=0, group=self.host_group)
+        self.state = SharedHostState(self.layout, plan, rank=dp_rank, world=dp_world,
+                                     shm_dir=cfg.shm_dir, run_id=run_id[0], barrier=self._barrier,
+                                     pin=device.type == "cuda")
+        if dp_rank == 0:
+            self._init_weights(hf_dir=job_config.model.hf_dir, seed=tr.seed)
+        self._barrier()
+
+        # Separate communicators: delivery and reduction run in their own threads, so each needs
+        # collectives that are ordered only among themselves.
+        gather_group = dist.new_group() if distributed else None
+        reduce_group = dist.new_group() if distributed else None
+        chunk = max(SHARD_ALIGN, int(cfg.chunk_mib * 2**20 / 2) // SHARD_ALIGN * SHARD_ALIGN)
+        self.streams = Streams(device)
+        self.traffic = Traffic()
+        self.delivery = Delivery(self.state, self.streams, route=cfg.delivery, rank=dp_rank,
+                                 world=dp_world, group=gather_group, chunk_elems=chunk,
+                                 traffic=self.traffic)
+        max_unit = max(u.padded for u in self.layout.units)
+        self.grad_return = GradientReturn(self.state, self.streams, route=cfg.reduction,
+                                          rank=dp_rank, world=dp_world, group=reduce_group,
+                                          chunk_elems=chunk, traffic=self.traffic,
+                                          max_unit=max_unit)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
+        threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local_world)
+        self.optimizer = HostOptimizer(self.state, AdamHyper(beta1=opt.beta1, beta2=opt.beta2,
+                                                             eps=opt.eps,
+                                                             weight_decay=opt.weight_decay),
+                                       threads=threads)
+        self.chunk = chunk
+
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        self.buffers = [torch.empty(self.layout.block_padded, **bf16) for _ in range(cfg.window_slots)]
+        self.buffers.append(torch.empty(self.layout.embed.padded, **bf16))
+        self.buffers.append(torch.empty(self.layout.head.padded, **bf16))
+        with torch.device("meta"):
+            self.block_template = TransformerBlock(model_args)
+            self.norm_template = RMSNorm(model_args.dim, model_args.norm_eps)
+        self._unit_buffer: dict[int, int] = {}
+        self.weight_refs = WeightRefs(self.buffers, lambda u: self.buffers[self._unit_buffer[u]])
+
+        self._deliverer = ThreadPoolExecutor(1, thread_name_prefix="slidedp-deliver",
+                                             initializer=self.streams.bind_thread)
+        self._updater = ThreadPoolExecutor(1, thread_name_prefix="slidedp-update",
+                                           initializer=self.streams.bind_thread)
+        self._last_release: dict[int, Future | None] = {b: None for b in range(len(self.buffers))}
+        self._resident: dict[int, int] = {}
+        self._pending: list[Future] = []
+        self._normsq = 0.0
+        self._token = 0
+        self.steps_done = 0
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=self.host_group)
+
+    def _check_host_memory(self, plan: HostStatePlan) -> None:
+        need = host_state_bytes(self.layout, plan)
+        have = available_host_bytes(self.cfg.shm_dir)
+        if self.rank == 0:
+            n = self.args.num_params()
+            print(f"[slidedp] host state: {need / 2**30:.2f} GiB in {self.cfg.shm_dir} for {n / 1e9:.3f}B "
+                  f"params ({need / n:.1f} B/param: fp32 master+moments"
+                  f"{' + bf16 shadow' if plan.bf16_shadow else ''}"
+                  f"{' + fp32 grad buffer' if plan.grad_accum else ''}"
+                  f"{' + per-rank grad staging' if plan.cpu_staging else ''}); available {have / 2**30:.2f} GiB",
+                  flush=True)
+        if need > have:
+            raise MemoryError(f"SlideDP needs {need / 2**30:.2f} GiB of host memory in "
+                              f"{self.cfg.shm_dir} but only {have / 2**30:.2f} GiB is available "
+                              f"(turn off slidedp.bf16_shadow or use a smaller model)")
+
+    def _master_view(self, name: str) -> torch.Tensor:
+        unit, p = self.layout.by_name[name]
+        start = unit.host_offset + p.offset
+        return self.state.master[start:start + p.numel].view(p.shape)
+
+    @torch.no_grad()
+    def _init_weights(self, *, hf_dir: str, seed: int) -> None:
+        if hf_dir:
+            from models.hf_checkpoint import load_hf_into
+
+            expected = {name: p.shape for name, (_, p) in self.layout.by_name.items()}
+            load_hf_into(lambda name, t: self._master_view(name).copy_(t), hf_dir, expected)
+        else:
+            # Same draws, in the same order, as QwenModel.init_weights after torch.manual_seed.
+            torch.manual_seed(seed)
+            for name in self.layout.by_name:
+                init_parameter(name, self._master_view(name))
+        if self.state.plan.bf16_shadow:
+            self.state.shadow.copy_(self.state.master)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def _leaves(self, unit: Unit, buffer: int, *, grad: bool) -> dict[str, torch.Tensor]:
+        buf = self.buffers[buffer]
+        return {p.local_name: buf[p.offset:p.offset + p.numel].view(p.shape).detach().requires_grad_(grad)
+                for p in unit.params}
+
+    def _deliver_job(self, use: Use, after: Future | None, version: int):
+        if after is not None:
+            self.streams.wait(after.result(), self.delivery.stream)
+        unit = self.layout.units[use.unit]
+        self.delivery.wait_version(unit, version)
+        return self.delivery.deliver(unit, self.buffers[use.buffer])
+
+    def _submit_deliveries(self, uses: list[Use]) -> None:
+        for use in uses:
+            if use.deliver:
+                use.delivered = self._deliverer.submit(self._deliver_job, use,
+                                                       self._last_release[use.buffer],
+                                                       self.steps_done)
+            self._last_release[use.buffer] = use.release
+
+    def _submit_grad(self, unit: Unit, leaves: dict[str, torch.Tensor], *, micro: int,
+                     n_micro: int, lr: float) -> None:
+        flat = torch.empty(unit.padded, dtype=torch.bfloat16, device=self.device)
+        grads = [(leaves[p.local_name].grad if leaves[p.local_name].grad is not None
+                  else torch.zeros(p.shape, dtype=torch.bfloat16, device=self.device)).reshape(-1)
+                 for p in unit.params]
+        torch.cat(grads, out=flat[:unit.numel])
+        flat[unit.numel:].zero_()
+        ready = self.streams.record()
+        self._pending.append(self._updater.submit(self._grad_job, unit, flat, ready, self._token,
+                                                  micro, n_micro, lr))
+
+    def _grad_job(self, unit: Unit, flat: torch.Tensor, ready, token: int, micro: int,
+                  n_micro: int, lr: float) -> None:
+        st, last, step = self.state, micro == n_micro - 1, self.steps_done + 1
+        update_now = last and self.max_norm <= 0
+        for lo, hi, g in self.grad_return.chunks(unit, flat, ready, token):
+            a, b = unit.host_offset + lo, unit.host_offset + hi
+            if st.plan.grad_accum:
+                acc = st.grad_accum[a:b]
+                acc.copy_(g) if micro == 0 else acc.add_(g)
+                g = acc
+            if last:
+                self._normsq += float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+            if update_now:
+                self.optimizer.update(a, b, g, step=step, lr=lr)
+        if update_now:
+            st.version[unit.index, self.rank] = step
+
+    def _apply_job(self, coef: float, lr: float, step: int) -> None:
+        """Clipped updates, after the global norm is known, in forward order so the next step's
+        deliveries (gated per unit) start as soon as their unit is done."""
+        for unit in self.layout.units:
+            lo, hi = unit.shard(self.rank, self.world)
+            for start in range(lo, hi, self.chunk):
+                a, b = unit.host_offset + start, unit.host_offset + min(start + self.chunk, hi)
+                self.optimizer.update(a, b, self.state.grad_accum[a:b], step=step, lr=lr,
+                                      grad_scale=coef)
+            self.state.version[unit.index, self.rank] = step
+
+    def _wait_buffer(self, use: Use) -> None:
+        if use.delivered is not None:
+            self.streams.wait(use.delivered.result())
+        self._unit_buffer[use.unit] = use.buffer
+
+    def _micro_batch(self, uses: list[Use], tokens: torch.Tensor, labels: torch.Tensor,
+                     rope: tuple[torch.Tensor, torch.Tensor], *, global_tokens: int, micro: int,
+                     n_micro: int, lr: float) -> torch.Tensor:
+        cos, sin = rope
+        units = self.layout.units
+        saved: dict[int, tuple] = {}
+        grad_kw = dict(micro=micro, n_micro=n_micro, lr=lr)
+        for use in uses:
+            self._wait_buffer(use)
+            unit = units[use.unit]
+            if unit.kind == "embed" and use.phase == "fwd":
+                emb = self._leaves(unit, use.buffer, grad=True)
+                h0 = F.embedding(tokens, emb["weight"])
+                h = h0.detach()
+            elif unit.kind == "embed":
+                torch.autograd.backward(h0, grad_h)
+                self._submit_grad(unit, emb, **grad_kw)
+            elif unit.kind == "head":
+                h_in = h.requires_grad_()
+                head = self._leaves(unit, use.buffer, grad=True)
+                hn = functional_call(self.norm_template, {"weight": head["norm.weight"]}, (h_in,))
+                w = head["lm_head.weight"] if "lm_head.weight" in head else emb["weight"]
+                loss = chunked_cross_entropy_sum(hn, w, labels, chunk_tokens=self.loss_chunk) / global_tokens
+                loss.backward()
+                grad_h = h_in.grad
+                self._submit_grad(unit, head, **grad_kw)
+            elif use.phase == "fwd":
+                h = self._block_forward(unit, use.buffer, h, rope, saved)
+            else:
+                if self.policies[unit.index - 1] == "recompute":
+                    (h_in,) = saved.pop(unit.index)
+                    h_in.requires_grad_()
+                    leaves = self._leaves(unit, use.buffer, grad=True)
+                    out = functional_call(self.block_template, leaves, (h_in, cos, sin))
+                else:
+                    h_in, out, leaves = saved.pop(unit.index)
+                torch.autograd.backward(out, grad_h)
+                grad_h = h_in.grad
+                self._submit_grad(unit, leaves, **grad_kw)
+            use.release.set_result(self.streams.record())
+        return loss.detach()
+
+    def _block_forward(self, unit: Unit, buffer: int, h: torch.Tensor, rope, saved: dict) -> torch.Tensor:
+        if self.policies[unit.index - 1] == "recompute":
+            with torch.no_grad():
+                out = functional_call(self.block_template, self._leaves(unit, buffer, grad=False),
+                                      (h, *rope))
+            saved[unit.index] = (h,)
+            return out
+        h_in = h.requires_grad_()
+        leaves = self._leaves(unit, buffer, grad=True)
+        with self.weight_refs.during_forward_of(unit.index):
+            out = functional_call(self.block_template, leaves, (h_in, *rope))
+        saved[unit.index] = (h_in, out, leaves)
+        return out.detach()
+
+    def train_step(self, micro_batches: list[Batch], *, lr: float, global_target_tokens: int) -> StepResult:
+        self.traffic.reset()
+        n_micro = len(micro_batches)
+        rope = rope_tables(self.args, micro_batches[0][0].shape[1], self.device)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        t0 = time.perf_counter()
+        for micro, (tokens, labels) in enumerate(micro_batches):
+            self._token += 1
+            uses, self._resident = plan_micro_batch(
+                self.args.n_layers, self.cfg.window_slots,
+                resident=self._resident if micro else {}, embed_head_resident=micro > 0)
+            self._submit_deliveries(uses)
+            loss += self._micro_batch(uses, tokens.to(self.device, non_blocking=True),
+                                      labels.to(self.device, non_blocking=True), rope,
+                                      global_tokens=global_target_tokens, micro=micro,
+                                      n_micro=n_micro, lr=lr)
+        t_compute = time.perf_counter()
+        for fut in self._pending:
+            fut.result()
+        self._pending.clear()
+        t_drained = time.perf_counter()
+        totals = torch.tensor([self._normsq, float(loss)], dtype=torch.float64)
+        self._normsq = 0.0
+        if self.world > 1:
+            dist.all_reduce(totals, group=self.host_group)
+        grad_norm, loss_sum = math.sqrt(totals[0].item()), totals[1].item() * global_target_tokens
+        self.steps_done += 1
+        if self.max_norm > 0:
+            coef = min(1.0, self.max_norm / (grad_norm + 1e-6))
+            self._pending.append(self._updater.submit(self._apply_job, coef, lr, self.steps_done))
+        extra = self.traffic.as_metrics()
+        extra.update(exposed_update_s=t_drained - t_compute)
+        return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, extra=extra)
+
+    # ---- outside the step ---------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        for fut in self._pending:
+            fut.result()
+        self._pending.clear()
+
+    def named_master_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._drain()
+        self._barrier()  # every rank's shard of the last update is in place
+        for name in self.layout.by_name:
+            yield name, self._master_view(name)
+
+    def close(self) -> None:
+        try:
+            self._drain()
+        finally:
+            self._deliverer.shutdown(wait=True)
+            self._updater.shutdown(wait=True)
+            self.buffers.clear()
+            self.state.close()
+
+
+def build_slidedp_backend(job_config, model_args: QwenArgs, *, device: torch.device,
+                          dp_rank: int, dp_world: int) -> SlideDPBackend:
+    """The `parallelism.mode = "slidedp"` backend."""
+    return SlideDPBackend(job_config, model_args, device=device, dp_rank=dp_rank, dp_world=dp_world)

@@ -1,0 +1,171 @@
+"""The one authoritative training state of a node, in shared memory.
+
+Rank 0 creates a file on a tmpfs (/dev/shm), every local rank maps it, and as soon as all have
+mapped it rank 0 unlinks the name: the memory then lives exactly as long as some rank still maps
+it, so it is released on normal exit, on an exception and when a rank is killed (no stale
+segments to clean up by hand). On CUDA machines the ranges that DMA engines touch are registered
+as pinned memory (cudaHostRegister), so each byte exists once and copies are asynchronous.
+
+Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_ALIGN):
+  master fp32, exp_avg fp32, exp_avg_sq fp32     12 bytes/param, always
+  shadow bf16                                     2 bytes/param, when bf16_shadow (delivery source)
+  grad_accum fp32                                 4 bytes/param, only with grad accumulation or
+                                                  clipping (gradients wait on the host)
+  staging bf16 x world                            2*R bytes/param, only for reduction="cpu"
+                                                  (every rank returns its full gradient)
+  control int64                                   per-unit version / ready / consumed counters
+"""
+
+import mmap
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from slidedp.layout import StateLayout
+
+_CONTROL_FIELDS = ("version", "ready", "consumed")
+
+
+@dataclass(frozen=True)
+class HostStatePlan:
+    """Which optional regions exist; fixes the byte size before anything is allocated."""
+
+    bf16_shadow: bool
+    """Keep a BF16 copy of the master weights (the delivery source)."""
+    grad_accum: bool
+    """Keep an FP32 gradient buffer (accumulation / clipping)."""
+    cpu_staging: bool
+    """Per-rank full-gradient return buffers (CPU-side reduction)."""
+
+
+def _region_sizes(layout: StateLayout, plan: HostStatePlan) -> list[tuple[str, torch.dtype, int]]:
+    n, world = layout.total, layout.world
+    regions = [("master", torch.float32, n), ("exp_avg", torch.float32, n),
+               ("exp_avg_sq", torch.float32, n)]
+    if plan.bf16_shadow:
+        regions.append(("shadow", torch.bfloat16, n))
+    if plan.grad_accum:
+        regions.append(("grad_accum", torch.float32, n))
+    if plan.cpu_staging:
+        regions.append(("staging", torch.bfloat16, n * world))
+    regions.append(("control", torch.int64, len(_CONTROL_FIELDS) * len(layout.units) * world))
+    return regions
+
+
+def host_state_bytes(layout: StateLayout, plan: HostStatePlan) -> int:
+    """Exact size of the shared mapping (each region 4 KiB aligned)."""
+    return sum(-(-numel * dtype.itemsize // 4096) * 4096
+               for _, dtype, numel in _region_sizes(layout, plan))
+
+
+def available_host_bytes(shm_dir: str) -> int:
+    """What a new tmpfs mapping can still take: the smaller of the tmpfs's free space and the
+    memory the kernel reports as available."""
+    st = os.statvfs(shm_dir)
+    free = st.f_bavail * st.f_frsize
+    with open("/proc/meminfo") as f:
+        meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return min(free, meminfo.get("MemAvailable", free))
+
+
+class SharedHostState:
+    """The mapped regions, as flat CPU tensors shared by every local rank."""
+
+    def __init__(self, layout: StateLayout, plan: HostStatePlan, *, rank: int, world: int,
+                 shm_dir: str, run_id: str, barrier, pin: bool):
+        self.layout, self.plan, self.rank, self.world = layout, plan, rank, world
+        self.nbytes = host_state_bytes(layout, plan)
+        self.path = os.path.join(shm_dir, f"slidedp-{run_id}")
+        if rank == 0:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, self.nbytes)
+            except OSError:
+                os.close(fd)
+                os.unlink(self.path)
+                raise
+        barrier()
+        if rank != 0:
+            fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._mmap = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        barrier()
+        if rank == 0:
+            os.unlink(self.path)  # from here the mapping dies with the last process
+        raw = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._raw = raw
+        self.regions: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, dtype, numel in _region_sizes(layout, plan):
+            nbytes = numel * dtype.itemsize
+            self.regions[name] = raw[offset:offset + nbytes].view(dtype)
+            offset += -(-nbytes // 4096) * 4096
+        n_units = len(layout.units)
+        ctrl = self.regions["control"].view(len(_CONTROL_FIELDS), n_units, world)
+        self.version, self.ready, self.consumed = ctrl[0], ctrl[1], ctrl[2]
+        self._registered: list[int] = []
+        if pin:
+            for name in ("shadow", "staging", "master"):
+                if name in self.regions and (name != "master" or not plan.bf16_shadow):
+                    self._register(self.regions[name])
+
+    @staticmethod
+    def new_run_id() -> str:
+        return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+    def _register(self, t: torch.Tensor) -> None:
+        # Registered (not copied) pinned memory: the DMA engines read the shared bytes directly.
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed "
+                               f"({err}); is the memlock limit (ulimit -l) too low?")
+        self._registered.append(t.data_ptr())
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        regions = self.__dict__.get("regions", {})
+        if name in regions:
+            return regions[name]
+        raise AttributeError(name)
+
+    def unit_view(self, region: str, unit_index: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements [start, end) of a unit inside a flat region."""
+        u = self.layout.units[unit_index]
+        end = u.padded if end is None else end
+        return self.regions[region][u.host_offset + start:u.host_offset + end]
+
+    def staging_view(self, owner: int, unit_index: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rank `owner`'s returned full gradient of a unit (CPU-side reduction)."""
+        u = self.layout.units[unit_index]
+        end = u.padded if end is None else end
+        base = owner * self.layout.total + u.host_offset
+        return self.regions["staging"][base + start:base + end]
+
+    @staticmethod
+    def wait_counter(counter: torch.Tensor, at_least: int, *, what: str, timeout_s: float = 600.0) -> None:
+        """Spin (with short sleeps) until every entry of a shared counter reaches `at_least`:
+        the cross-process version gate. Counters only grow, and x86 stores are seen in order."""
+        deadline = time.monotonic() + timeout_s
+        sleep = 0.0
+        while int(counter.min()) < at_least:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SlideDP: waited {timeout_s:.0f}s for {what} to reach "
+                                   f"{at_least} (have {counter.tolist()}): a rank died?")
+            time.sleep(sleep)
+            sleep = min(sleep * 2 + 1e-5, 1e-3)
+
+    def close(self) -> None:
+        for ptr in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered.clear()
+        self.regions.clear()
+        self.version = self.ready = self.consumed = None
+        del self._raw
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere; the OS unmaps at exit

@@ -1,0 +1,112 @@
+"""Where every parameter lives in the flat host state, and which rank owns which slice.
+
+The model is cut into *units*: the embedding, each transformer block, and the head (final norm +
+untied LM head). A unit's parameters are concatenated into one flat range, padded so that it
+splits into `world` equal, aligned shards; rank r owns shard r of every unit (it reduces, returns
+and updates that slice). The layout is independent of the delivery/reduction route, so routes can
+change per run (or per layer) without touching the state.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from models.args import QwenArgs
+from models.qwen import QwenModel
+
+# Shard boundaries fall on 128 elements: 512 B of FP32, a multiple of the cache line and of
+# every SIMD width the CPU Adam kernel uses.
+SHARD_ALIGN = 128
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter inside its unit's flat range."""
+
+    name: str
+    """Full model parameter name (e.g. "layers.3.mlp.up_proj.weight")."""
+    local_name: str
+    """Name relative to the unit's module (e.g. "mlp.up_proj.weight")."""
+    shape: torch.Size
+    """Parameter shape."""
+    offset: int
+    """Element offset inside the unit's flat range."""
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A group of parameters delivered, reduced and updated together."""
+
+    index: int
+    """Position in forward order (0 = embedding, last = head)."""
+    kind: str
+    """"embed", "block" or "head"."""
+    params: tuple[ParamSlot, ...]
+    """Parameters in flat order."""
+    numel: int
+    """Real elements (without padding)."""
+    padded: int
+    """Elements including padding; divisible by world * SHARD_ALIGN."""
+    host_offset: int
+    """Element offset of this unit in the host state's flat arrays."""
+
+    def shard(self, rank: int, world: int) -> tuple[int, int]:
+        """[start, end) of rank's shard, in elements relative to the unit."""
+        size = self.padded // world
+        return rank * size, (rank + 1) * size
+
+
+class StateLayout:
+    """The flat layout of one model's parameters for `world` owners."""
+
+    def __init__(self, args: QwenArgs, *, world: int):
+        self.args, self.world = args, world
+        with torch.device("meta"):
+            model = QwenModel(args)
+        groups: list[tuple[str, str, list[tuple[str, str, torch.Size]]]] = []
+        groups.append(("embed", "", [("embed_tokens.weight", "weight",
+                                      model.embed_tokens.weight.shape)]))
+        for i, block in enumerate(model.layers):
+            groups.append(("block", f"layers.{i}.",
+                           [(f"layers.{i}.{n}", n, p.shape) for n, p in block.named_parameters()]))
+        head = [("norm.weight", "norm.weight", model.norm.weight.shape)]
+        if model.lm_head is not None:
+            head.append(("lm_head.weight", "lm_head.weight", model.lm_head.weight.shape))
+        groups.append(("head", "", head))
+
+        quantum = world * SHARD_ALIGN
+        self.units: list[Unit] = []
+        host_offset = 0
+        for index, (kind, _, params) in enumerate(groups):
+            slots, off = [], 0
+            for name, local, shape in params:
+                slots.append(ParamSlot(name=name, local_name=local, shape=shape, offset=off))
+                off += shape.numel()
+            padded = -(-off // quantum) * quantum
+            self.units.append(Unit(index=index, kind=kind, params=tuple(slots), numel=off,
+                                   padded=padded, host_offset=host_offset))
+            host_offset += padded
+        self.total = host_offset
+        """Elements in each flat host array (all units, padded)."""
+        self.by_name = {p.name: (u, p) for u in self.units for p in u.params}
+
+    @property
+    def blocks(self) -> list[Unit]:
+        return [u for u in self.units if u.kind == "block"]
+
+    @property
+    def embed(self) -> Unit:
+        return self.units[0]
+
+    @property
+    def head(self) -> Unit:
+        return self.units[-1]
+
+    @property
+    def block_padded(self) -> int:
+        """Flat size of one block slot on the GPU (all blocks have the same shape)."""
+        return self.units[1].padded

@@ -1,0 +1,131 @@
+"""Gradient return (GPU->host, by route) and the layer-wise CPU AdamW update.
+
+Two reduction routes over the same host layout:
+  gpu  reduce-scatter on the GPUs, then each rank copies only its aggregated shard (1/R) home;
+  cpu  every rank copies its full gradient home into its staging region and each owner sums the
+       R copies of its shard on the host.
+Either way rank r ends up holding the summed gradient of its shard of the unit, chunk by chunk,
+and updates that slice of the shared state (its own cores, no global lock). The D2H copies of all
+chunks are issued up front so Adam starts on the first chunk while the rest are still in flight.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slidedp import cpu_adam
+from slidedp.host_state import SharedHostState
+from slidedp.layout import Unit
+from slidedp.streams import Streams
+from slidedp.traffic import Traffic
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """AdamW hyper-parameters of the host optimizer."""
+
+    beta1: float
+    """First-moment decay."""
+    beta2: float
+    """Second-moment decay."""
+    eps: float
+    """Added after the square root."""
+    weight_decay: float
+    """Decoupled weight decay."""
+
+
+class GradientReturn:
+    """Brings a unit's summed gradient shard home, yielding (start, end, host_grad) chunks in
+    unit-local coordinates of this rank's shard."""
+
+    def __init__(self, state: SharedHostState, streams: Streams, *, route: str, rank: int,
+                 world: int, group: dist.ProcessGroup | None, chunk_elems: int, traffic: Traffic,
+                 max_unit: int):
+        if route not in ("gpu", "cpu"):
+            raise ValueError(f"slidedp.reduction must be 'gpu' or 'cpu', got {route!r}")
+        self.state, self.streams, self.route = state, streams, route
+        self.rank, self.world, self.group = rank, world, group
+        self.chunk, self.traffic = chunk_elems, traffic
+        self.stream = streams.new_stream()
+        if route == "gpu":
+            self.recv = torch.empty(max_unit // world, dtype=torch.bfloat16,
+                                    pin_memory=streams.is_cuda)
+            self.sum_buf = None
+        else:
+            self.recv = None
+            self.sum_buf = torch.empty(chunk_elems, dtype=torch.float32)
+
+    def chunks(self, unit: Unit, flat_grad: torch.Tensor, ready: torch.cuda.Event | None,
+               token: int):
+        lo, hi = unit.shard(self.rank, self.world)
+        with self.streams.use(self.stream):
+            self.streams.wait(ready, self.stream)
+            # The caching allocator must not hand flat_grad's memory out again before we're done.
+            if self.streams.is_cuda:
+                flat_grad.record_stream(self.stream)
+            if self.route == "gpu":
+                yield from self._gpu_route(unit, flat_grad, lo, hi)
+            else:
+                yield from self._cpu_route(unit, flat_grad, lo, hi, token)
+
+    def _gpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int):
+        shard = torch.empty(hi - lo, dtype=flat_grad.dtype, device=flat_grad.device)
+        if self.world > 1:
+            dist.reduce_scatter_tensor(shard, flat_grad, group=self.group)
+            self.traffic.reduce_scatter += (unit.padded - (hi - lo)) * 2
+        else:
+            shard.copy_(flat_grad)
+        events = []
+        for start in range(0, hi - lo, self.chunk):
+            end = min(start + self.chunk, hi - lo)
+            self.recv[start:end].copy_(shard[start:end], non_blocking=True)
+            events.append((start, end, self.streams.record(self.stream)))
+        self.traffic.d2h += (hi - lo) * 2
+        for start, end, ev in events:
+            Streams.synchronize(ev)
+            yield lo + start, lo + end, self.recv[start:end]
+
+    def _cpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, token: int):
+        st = self.state
+        # Buffer release: every owner must have consumed our previous return of this unit.
+        SharedHostState.wait_counter(st.consumed[unit.index], token - 1,
+                                     what=f"consumption of unit {unit.index}")
+        mine = st.staging_view(self.rank, unit.index)
+        events = []
+        for start in range(0, unit.padded, self.chunk):
+            end = min(start + self.chunk, unit.padded)
+            mine[start:end].copy_(flat_grad[start:end], non_blocking=True)
+            events.append(self.streams.record(self.stream))
+        for ev in events:
+            Streams.synchronize(ev)
+        self.traffic.d2h += unit.padded * 2
+        st.ready[unit.index, self.rank] = token
+        SharedHostState.wait_counter(st.ready[unit.index], token, what=f"gradients of unit {unit.index}")
+        for start in range(lo, hi, self.chunk):
+            end = min(start + self.chunk, hi)
+            acc = self.sum_buf[:end - start]
+            acc.copy_(st.staging_view(0, unit.index, start, end))
+            for owner in range(1, self.world):
+                acc.add_(st.staging_view(owner, unit.index, start, end))
+            self.traffic.host_reduce += (end - start) * 2 * self.world
+            yield start, end, acc
+        st.consumed[unit.index, self.rank] = token
+
+
+class HostOptimizer:
+    """AdamW on slices of the shared FP32 state, writing the BF16 shadow in the same pass."""
+
+    def __init__(self, state: SharedHostState, hyper: AdamHyper, *, threads: int):
+        self.state, self.hyper, self.threads = state, hyper, threads
+
+    def update(self, start: int, end: int, grad: torch.Tensor, *, step: int, lr: float,
+               grad_scale: float = 1.0) -> None:
+        """Update global elements [start, end) with `grad` (bf16 or fp32, same length)."""
+        st, h = self.state, self.hyper
+        cpu_adam.adam_update(
+            st.master[start:end], grad, st.exp_avg[start:end], st.exp_avg_sq[start:end],
+            step=step, lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+            weight_decay=h.weight_decay, grad_scale=grad_scale,
+            bf16_out=st.shadow[start:end] if st.plan.bf16_shadow else None,
+            num_threads=self.threads)

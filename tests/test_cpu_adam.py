@@ -1,0 +1,243 @@
+"""The fused CPU Adam kernel against torch's fused Adam/AdamW, on every code path this machine has.
+
+Tolerance: the kernel repeats torch's fused CPU kernel operation by operation (float roundings of the
+coefficients, lerp, FMAs where torch's x86 build has them), so results are bit-identical to torch's
+vectorized body; torch's own scalar tail (the last numel % vector-width elements) rounds one
+multiply-add differently, and other torch builds may contract differently, so the comparison allows
+a few ulp: rtol 1e-6 (~8 ulp), atol 1e-8. The BF16 output must equal `.to(torch.bfloat16)` of the
+kernel's own FP32 result bit for bit.
+"""
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from slidedp import cpu_adam
+
+RTOL, ATOL = 1e-6, 1e-8
+ALL_ISAS = (*cpu_adam.NATIVE_ISAS, cpu_adam.TORCH_ISA)
+SIZES = (1, 15, 16, 33, 1023, 2 * 32768 + 7)  # tails, one vector, several pool blocks
+OFFSET = 5  # every tensor is a view into a bigger buffer
+SENTINEL = 7.0
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request, monkeypatch):
+    if request.param not in cpu_adam.available_isas():
+        pytest.skip(f"{request.param} not available on this CPU/build")
+    monkeypatch.setenv(cpu_adam.ISA_ENV, request.param)
+    return request.param
+
+
+def _views(n: int, *, grad_dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Random param and zero moments, each the slice [OFFSET, OFFSET + n) of a buffer whose margins
+    hold SENTINEL."""
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = {"param": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32,
+              "bf16_out": torch.bfloat16, "grad": grad_dtype}
+    views = {name: torch.full((n + 2 * OFFSET,), SENTINEL, dtype=dtype)[OFFSET:OFFSET + n]
+             for name, dtype in dtypes.items()}
+    views["param"].copy_(torch.randn(n, generator=gen))
+    views["exp_avg"].zero_()
+    views["exp_avg_sq"].zero_()
+    return views
+
+
+def _assert_margins_untouched(views: dict[str, torch.Tensor]) -> None:
+    for name, view in views.items():
+        margins = torch.cat([view._base[:OFFSET], view._base[OFFSET + view.numel():]])
+        assert torch.all(margins == SENTINEL), f"the update wrote outside its slice of {name}"
+
+
+def _reference(param: torch.Tensor, grads: list[torch.Tensor], *, adamw: bool, scale: float, **hyper):
+    p = torch.nn.Parameter(param.clone())
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([p], fused=True, **hyper)
+    for g in grads:
+        p.grad = g.float() * scale
+        opt.step()
+    return p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+
+
+def _run(views: dict[str, torch.Tensor], grads: list[torch.Tensor], *, adamw: bool, scale: float, lr: float,
+         betas: tuple[float, float], eps: float, weight_decay: float, threads: int = 2) -> None:
+    for step, g in enumerate(grads, start=1):
+        views["grad"].copy_(g)
+        cpu_adam.adam_update(views["param"], views["grad"], views["exp_avg"], views["exp_avg_sq"], step=step,
+                             lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay,
+                             adamw=adamw, grad_scale=scale, bf16_out=views["bf16_out"], num_threads=threads)
+
+
+def _assert_matches_torch(n: int, *, grad_dtype: torch.dtype, adamw: bool, weight_decay: float,
+                          betas: tuple[float, float], scale: float, seed: int) -> None:
+    views = _views(n, grad_dtype=grad_dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    grads = [torch.randn(n, generator=gen).to(grad_dtype) for _ in range(3)]
+    hyper = {"lr": 1e-2, "betas": betas, "eps": 1e-8, "weight_decay": weight_decay}
+    expected = _reference(views["param"], grads, adamw=adamw, scale=scale, **hyper)
+    _run(views, grads, adamw=adamw, scale=scale, **hyper)
+    for name, want in zip(("param", "exp_avg", "exp_avg_sq"), expected):
+        torch.testing.assert_close(views[name], want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}, n={n}: {m}")
+    assert torch.equal(views["bf16_out"].view(torch.int16), views["param"].to(torch.bfloat16).view(torch.int16))
+    _assert_margins_untouched(views)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16_grad", "fp32_grad"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no_wd", "wd"])
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+def test_matches_torch(isa, adamw, weight_decay, grad_dtype):
+    for i, n in enumerate(SIZES):
+        _assert_matches_torch(n, grad_dtype=grad_dtype, adamw=adamw, weight_decay=weight_decay, betas=(0.9, 0.95),
+                              scale=1.0 if i % 2 else 0.37, seed=i)
+
+
+def test_large_lerp_weight(isa):
+    """beta1 <= 0.5 takes torch's other lerp formula."""
+    _assert_matches_torch(1023, grad_dtype=torch.bfloat16, adamw=True, weight_decay=0.1, betas=(0.3, 0.99),
+                          scale=2.0, seed=7)
+
+
+def test_bf16_rounding_edge_cases(isa):
+    """Ties, values that round up to inf, denormals and specials survive a lr=0 step and must convert
+    like torch's .to(torch.bfloat16)."""
+    bits = [0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F80_8001, 0x7F7F_FFFF, 0xFF7F_8000, 0x0000_0001, 0x0000_8000,
+            0x8001_8000, 0x007F_FFFF, 0x0080_0000, 0x7F80_0000, 0xFF80_0000, 0x7FC0_0000, 0x0000_0000, 0x8000_0000]
+    special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    param = torch.cat([special, torch.randn(9), special.flip(0), torch.randn(5)])  # vector body and tail
+    n = param.numel()
+    views = _views(n, grad_dtype=torch.float32, seed=0)
+    views["param"].copy_(param)
+    _run(views, [torch.randn(n)], adamw=True, scale=1.0, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    assert torch.equal(views["param"][~param.isnan()], param[~param.isnan()])  # (a -0 may become +0)
+    got, want = views["bf16_out"], views["param"].to(torch.bfloat16)
+    finite = ~want.isnan()
+    assert torch.equal(got.view(torch.int16)[finite], want.view(torch.int16)[finite])
+    assert got.isnan().equal(want.isnan())
+
+
+def test_paths_and_thread_counts_bit_identical(monkeypatch):
+    native = [i for i in cpu_adam.available_isas() if i != cpu_adam.TORCH_ISA]
+    n = 3 * 32768 + 13
+    grads = [torch.randn(n, dtype=torch.bfloat16) for _ in range(2)]
+    results = {}
+    for isa in native:
+        monkeypatch.setenv(cpu_adam.ISA_ENV, isa)
+        for threads in (1, 3):
+            views = _views(n, grad_dtype=torch.bfloat16, seed=3)
+            _run(views, grads, adamw=True, scale=0.5, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 threads=threads)
+            results[isa, threads] = [views[k].view(torch.int16) for k in ("param", "exp_avg", "exp_avg_sq", "bf16_out")]
+    first, *rest = results.values()
+    for key, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, first)), f"{key} differs from {next(iter(results))}"
+
+
+def test_concurrent_callers(isa):
+    """Two Python threads updating at once (the pool takes one multi-threaded job at a time)."""
+    errors = []
+
+    def worker(seed: int) -> None:
+        try:
+            _assert_matches_torch(2 * 32768 + 3, grad_dtype=torch.bfloat16, adamw=True, weight_decay=0.1,
+                                  betas=(0.9, 0.95), scale=1.0, seed=seed)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (11, 12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def _child_update(queue) -> None:
+    views = _views(4 * 32768, grad_dtype=torch.float32, seed=0)
+    views["grad"].fill_(1.0)
+    cpu_adam.adam_update(views["param"], views["grad"], views["exp_avg"], views["exp_avg_sq"], step=1, lr=1e-3,
+                         beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, num_threads=2)
+    queue.put(bool(torch.all(views["exp_avg"] != 0)))
+
+
+def test_forked_child_gets_a_fresh_pool(isa):
+    _run(_views(4 * 32768, grad_dtype=torch.float32, seed=0), [torch.randn(4 * 32768)], adamw=True, scale=1.0,
+         lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # parent pool has started threads
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_update, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung in adam_update")
+    assert child.exitcode == 0 and queue.get(timeout=5)
+
+
+def test_validation():
+    p, m, v, g = (torch.zeros(8) for _ in range(4))
+    hyper = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+    bad_calls = {
+        "grad": dict(grad=torch.zeros(8, dtype=torch.float16)),
+        "exp_avg": dict(exp_avg=torch.zeros(16)[::2]),
+        "exp_avg_sq": dict(exp_avg_sq=torch.zeros(2, 4)),
+        "param": dict(param=torch.zeros(8, dtype=torch.float64)),
+        "bf16_out": dict(bf16_out=torch.zeros(7, dtype=torch.bfloat16)),
+        "step": dict(step=0),
+        "num_threads": dict(num_threads=0),
+    }
+    for what, change in bad_calls.items():
+        args = {"param": p, "grad": g, "exp_avg": m, "exp_avg_sq": v, **hyper, **change}
+        with pytest.raises(ValueError, match=what):
+            cpu_adam.adam_update(**args)
+
+
+def test_isa_env_var(monkeypatch):
+    monkeypatch.setenv(cpu_adam.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="expected one of"):
+        cpu_adam.active_isa()
+    missing = [i for i in cpu_adam.NATIVE_ISAS if i not in cpu_adam.available_isas()]
+    if missing:
+        monkeypatch.setenv(cpu_adam.ISA_ENV, missing[0])
+        with pytest.raises(RuntimeError, match="not available"):
+            cpu_adam.active_isa()
+    monkeypatch.delenv(cpu_adam.ISA_ENV)
+    assert cpu_adam.active_isa() == cpu_adam.available_isas()[0]
+
+
+@pytest.fixture
+def fresh_build_state():
+    cpu_adam._library.cache_clear()
+    cpu_adam._available.cache_clear()
+    yield
+    cpu_adam._library.cache_clear()
+    cpu_adam._available.cache_clear()
+
+
+def test_fallback_without_compiler(fresh_build_state, monkeypatch, tmp_path):
+    monkeypatch.delenv(cpu_adam.ISA_ENV, raising=False)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("SLIDEDP_CACHE_DIR", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="torch fallback"):
+        assert cpu_adam.available_isas() == [cpu_adam.TORCH_ISA]
+    assert cpu_adam.active_isa() == cpu_adam.TORCH_ISA
+    _assert_matches_torch(1023, grad_dtype=torch.bfloat16, adamw=True, weight_decay=0.1, betas=(0.9, 0.95),
+                          scale=0.5, seed=0)
+
+
+def test_concurrent_first_build(tmp_path):
+    """Ranks starting together: one compiles, the others wait for it and load the same library."""
+    env = {**os.environ, "SLIDEDP_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[1])}
+    env.pop(cpu_adam.ISA_ENV, None)
+    code = "from slidedp import cpu_adam; print(cpu_adam.active_isa())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert {out.strip() for out, _ in outputs} == {cpu_adam.available_isas()[0]}
+    assert sum("compiling" in err for _, err in outputs) == 1
+    assert len(list(tmp_path.glob("*.so"))) == 1

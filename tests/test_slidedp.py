@@ -1,0 +1,166 @@
+"""SlideDP on real gloo ranks equals the `single` backend on the same global batch.
+
+Every datapath (replicated|sharded delivery x gpu|cpu reduction), with gradient accumulation,
+global-norm clipping, chunk sizes that do not divide a block, keep/recompute activations and the
+FP32-cast delivery path, for 2 and 3 ranks; plus the pieces (plan, layout, host state) alone.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models.flavors import get_flavor
+from recipes.parallelize import build_single_backend
+from slidedp.layout import SHARD_ALIGN, StateLayout
+from slidedp.schedule import plan_micro_batch
+from tests.slidedp_worker import global_batches, make_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A chunk of 0.003 MiB is 1536 elements: it divides neither a block nor a shard.
+ODD_CHUNK = 0.003
+
+
+def run_workers(tmp_path, *, world: int, variants: list[dict], flavor: str, steps: int,
+                accum: int, max_norm: float) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world}", os.path.join(REPO, "tests", "slidedp_worker.py"),
+           "--variants", json.dumps(variants), "--flavor", flavor, "--steps", str(steps),
+           "--accum", str(accum), "--max-norm", str(max_norm), "--out", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(tmp_path / "results.json") as f:
+        results = json.load(f)
+    for i, r in enumerate(results):
+        r["weights"] = torch.load(tmp_path / f"weights_{i}.pt")
+    return results
+
+
+def single_reference(*, world: int, flavor: str, steps: int, accum: int, max_norm: float):
+    cfg = make_config({}, accum=accum, max_norm=max_norm)
+    backend = build_single_backend(cfg, get_flavor(flavor), device=torch.device("cpu"))
+    losses = []
+    for micro in global_batches(steps=steps, accum=accum, batch=2 * world, seq=16,
+                                vocab=get_flavor(flavor).vocab_size, seed=7):
+        ntok = sum(int((y != -100).sum()) for _, y in micro)
+        losses.append(backend.train_step(micro, lr=1e-3, global_target_tokens=ntok).loss_sum / ntok)
+    return losses, {n: t.clone() for n, t in backend.named_master_parameters()}
+
+
+def assert_matches_reference(results, ref_losses, ref_weights):
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-2), r["variant"]
+        assert set(r["weights"]) == set(ref_weights)
+        # Adam moves a weight by up to ~lr per step whatever the gradient's size, so BF16
+        # rounding of near-zero gradients (e.g. the key bias, whose exact gradient is 0) may flip
+        # a few steps: allow 2 lr per step anywhere, and require the typical element to agree
+        # far more closely.
+        diff = torch.cat([(r["weights"][n] - w).abs().flatten() for n, w in ref_weights.items()])
+        assert diff.max() <= 2 * 1e-3 * len(ref_losses), (r["variant"], diff.max())
+        assert diff.mean() <= 1e-4, (r["variant"], diff.mean())
+
+
+def test_two_ranks_every_datapath_with_accumulation_and_clipping(tmp_path):
+    variants = [
+        {"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK},
+        {"delivery": "replicated", "reduction": "cpu", "chunk_mib": ODD_CHUNK},
+        {"delivery": "replicated", "reduction": "gpu", "activation": "keep"},
+        {"delivery": "sharded", "reduction": "cpu", "keep_blocks": 2, "bf16_shadow": False,
+         "window_slots": 2, "chunk_mib": ODD_CHUNK},
+    ]
+    kw = dict(flavor="qwen3-debug", steps=3, accum=2, max_norm=0.5)
+    results = run_workers(tmp_path, world=2, variants=variants, **kw)
+    ref_losses, ref_weights = single_reference(world=2, **kw)
+    assert_matches_reference(results, ref_losses, ref_weights)
+    # Traffic per rank (paper's table): sharded delivery halves H2D at R=2; CPU-side reduction
+    # returns the full gradient (2x the GPU-reduced shard) and sums R copies on the host.
+    t = [r["traffic"][0] for r in results]
+    assert t[0]["traffic_h2d_mb"] * 2 == pytest.approx(t[1]["traffic_h2d_mb"])
+    assert t[0]["traffic_d2h_mb"] * 2 == pytest.approx(t[1]["traffic_d2h_mb"])
+    assert t[1]["traffic_host_reduce_mb"] == pytest.approx(t[1]["traffic_d2h_mb"])
+    assert t[0]["traffic_all_gather_mb"] > 0 and t[1]["traffic_all_gather_mb"] == 0
+
+
+def test_three_ranks_untied_qwen25(tmp_path):
+    variants = [{"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK},
+                {"delivery": "replicated", "reduction": "cpu", "activation": "keep"}]
+    kw = dict(flavor="qwen2.5-debug", steps=3, accum=1, max_norm=0.0)
+    results = run_workers(tmp_path, world=3, variants=variants, **kw)
+    ref_losses, ref_weights = single_reference(world=3, **kw)
+    assert_matches_reference(results, ref_losses, ref_weights)
+    sharded, replicated = (r["traffic"][0] for r in results)
+    assert sharded["traffic_h2d_mb"] * 3 == pytest.approx(replicated["traffic_h2d_mb"])
+    assert sharded["traffic_d2h_mb"] * 3 == pytest.approx(replicated["traffic_d2h_mb"])
+
+
+@pytest.mark.parametrize("n_slots", [2, 3, 5])
+def test_plan_keeps_every_use_on_the_right_buffer(n_slots):
+    n_blocks, resident = 6, {}
+    for micro in range(2):
+        uses, after = plan_micro_batch(n_blocks, n_slots, resident=resident,
+                                       embed_head_resident=micro > 0)
+        held: dict[int, int] = {s: u for s, u in resident.items()}
+        for use in uses:
+            if use.unit in (0, n_blocks + 1):
+                continue
+            if use.deliver:
+                held[use.buffer] = use.unit
+            assert held.get(use.buffer) == use.unit
+        assert after == held
+        resident = after
+        expected = [("fwd", b) for b in range(1, n_blocks + 1)] + [("bwd", b) for b in range(n_blocks, 0, -1)]
+        assert [(u.phase, u.unit) for u in uses if 0 < u.unit <= n_blocks] == expected
+    # Backward reuses what forward left in the window: only L - n_slots re-deliveries.
+    first, _ = plan_micro_batch(n_blocks, n_slots, resident={}, embed_head_resident=False)
+    assert sum(u.deliver for u in first if u.phase == "bwd") == n_blocks - n_slots
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_layout_shards_partition_every_unit(world):
+    layout = StateLayout(get_flavor("qwen2.5-debug"), world=world)
+    offset = 0
+    for unit in layout.units:
+        assert unit.host_offset == offset and unit.padded % (world * SHARD_ALIGN) == 0
+        shards = [unit.shard(r, world) for r in range(world)]
+        assert shards[0][0] == 0 and shards[-1][1] == unit.padded
+        assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
+        offset += unit.padded
+    assert layout.total == offset
+    assert sum(p.numel for u in layout.units for p in u.params) == get_flavor("qwen2.5-debug").num_params()
+
+
+def test_too_little_host_memory_is_refused_before_allocating(tmp_path):
+    cfg = make_config({"shm_dir": str(tmp_path)}, accum=1, max_norm=0.0)
+    from slidedp.engine import SlideDPBackend
+
+    with pytest.raises(MemoryError, match="GiB of host memory"):
+        SlideDPBackend(cfg, get_flavor("qwen2.5-72B"), device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+KILLED_RANK = """
+import os, signal, sys, torch
+from models.flavors import get_flavor
+from slidedp.host_state import HostStatePlan, SharedHostState
+from slidedp.layout import StateLayout
+layout = StateLayout(get_flavor("qwen3-debug"), world=1)
+plan = HostStatePlan(bf16_shadow=True, grad_accum=False, cpu_staging=False)
+state = SharedHostState(layout, plan, rank=0, world=1, shm_dir=sys.argv[1], run_id="killed",
+                        barrier=lambda: None, pin=False)
+state.master.fill_(1.0)
+print(len(os.listdir(sys.argv[1])), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_shared_state_leaves_nothing_behind_when_a_rank_is_killed(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", KILLED_RANK, str(tmp_path)], cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert proc.stdout.strip() == "0"  # the name was unlinked as soon as all ranks had mapped it
+    assert list(tmp_path.iterdir()) == []
