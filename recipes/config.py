@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from torchtitan.config.manager import ConfigManager
-
 from models.args import QwenArgs
 from models.flavors import FLAVORS
 from slidedp.config import SlideDPConfig
@@ -294,38 +292,43 @@ def _check_combinations(config: JobConfig) -> None:
                           "(checkpoint weights are loaded before sharding)")
 
 
-class JobConfigManager(ConfigManager):
-    """torchtitan's ConfigManager for our JobConfig, with one-line errors and strict TOML types."""
+def _load_toml(path: str) -> dict[str, Any]:
+    _require_path("job.config_file", path, kind="file")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"job.config_file: {path}: invalid TOML: {e}") from None
 
-    def __init__(self) -> None:
-        super().__init__(config_cls=JobConfig)
 
-    def _maybe_load_toml(self, args: list[str]) -> dict[str, Any] | None:
-        path = self._toml_path = _config_file_arg(args)
-        if path is None:
-            return None
-        _require_path("job.config_file", path, kind="file")
-        try:
-            with open(path, "rb") as f:
-                return tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"job.config_file: {path}: invalid TOML: {e}") from None
+def _job_config_manager():
+    """torchtitan's ConfigManager for JobConfig, with one-line errors and strict TOML types.
+    Defined on first use: importing torchtitan takes seconds, which processes that only need
+    the dataclasses (ranks of a test, SlideDP workers) should not pay."""
+    from torchtitan.config.manager import ConfigManager
 
-    def _maybe_add_custom_config(self, args: list[str], toml_values: dict[str, Any] | None) -> type:
-        return self.config_cls  # no custom config modules: a TOML must not import code
+    class JobConfigManager(ConfigManager):
+        def _maybe_load_toml(self, args: list[str]) -> dict[str, Any] | None:
+            self.toml_path = _config_file_arg(args)
+            return None if self.toml_path is None else _load_toml(self.toml_path)
 
-    def _dict_to_dataclass(self, cls: type, data: dict[str, Any]) -> Any:
-        """The TOML as a JobConfig, every section, key and value checked against the dataclasses."""
-        try:
-            return _job_config_from_dict(cls, data)
-        except ConfigError as e:
-            raise ConfigError(f"{self._toml_path}: {e}") from None
+        def _maybe_add_custom_config(self, args: list[str],
+                                     toml_values: dict[str, Any] | None) -> type:
+            return self.config_cls  # no custom config modules: a TOML must not import code
 
-    def _validate_config(self) -> None:
-        check_config(self.config)
-        _check_paths(self.config)
-        _check_combinations(self.config)
-        resolve_model(self.config)
+        def _dict_to_dataclass(self, cls: type, data: dict[str, Any]) -> Any:
+            try:
+                return _job_config_from_dict(cls, data)
+            except ConfigError as e:
+                raise ConfigError(f"{self.toml_path}: {e}") from None
+
+        def _validate_config(self) -> None:
+            check_config(self.config)
+            _check_paths(self.config)
+            _check_combinations(self.config)
+            resolve_model(self.config)
+
+    return JobConfigManager(config_cls=JobConfig)
 
 
 def _config_file_arg(args: list[str]) -> str | None:
@@ -341,4 +344,4 @@ def _config_file_arg(args: list[str]) -> str | None:
 
 def parse_config(args: list[str]) -> JobConfig:
     """Defaults < TOML (--job.config_file) < flags; raises ConfigError on any mistake."""
-    return JobConfigManager().parse_args(args)
+    return _job_config_manager().parse_args(args)

@@ -46,7 +46,7 @@ def format_line(step: int, m: dict[str, Any]) -> str:
     """One compact log line of the headline metrics."""
     parts = [f"step {step:>5}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}",
              f"gnorm {m['grad_norm']:.3f}", f"{m['tokens_per_s']:,.0f} tok/s",
-             f"{m['tflops_per_gpu']:.2f} TFLOP/s/gpu"]
+             f"{m['tflops_per_gpu']:.3g} TFLOP/s/gpu"]
     if m["mfu"] is not None:
         parts.append(f"mfu {100 * m['mfu']:.1f}%")
     if m["peak_mem_alloc_gib"] is not None:

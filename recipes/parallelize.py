@@ -13,9 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from models.args import QwenArgs
 from models.loss import chunked_cross_entropy_sum
@@ -45,12 +42,12 @@ def apply_activation_checkpointing(model: QwenModel, *, mode: str) -> None:
             checkpoint(block)
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], *, max_norm: float) -> float:
+def clip_grad_norm(parameters: list[nn.Parameter], *, max_norm: float, sharded: bool) -> float:
     """Global L2 norm of the gradients before clipping; clips in place when max_norm > 0.
     Sharded (DTensor) gradients give a partial norm that full_tensor() reduces over ranks."""
     with_grad = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
-    if isinstance(norm, DTensor):
+    if sharded:
         norm = norm.full_tensor()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm)
@@ -58,12 +55,13 @@ def clip_grad_norm(parameters: list[nn.Parameter], *, max_norm: float) -> float:
 
 
 class EagerBackend:
-    """A model resident in device memory (plain or FSDP2-sharded) trained with torch AdamW."""
+    """A model resident in device memory trained with torch AdamW; `sharded`: its parameters are
+    FSDP2 DTensors and every rank holds a shard of the same model."""
 
     def __init__(self, model: nn.Module, config: JobConfig, *, device: torch.device,
-                 autocast: bool, reduce_loss: bool) -> None:
+                 autocast: bool, sharded: bool) -> None:
         self.model, self.device = model, device
-        self.autocast, self.reduce_loss = autocast, reduce_loss
+        self.autocast, self.sharded = autocast, sharded
         self.max_norm = config.training.max_norm
         self.chunk_tokens = config.training.loss_chunk_tokens
         opt = config.optimizer
@@ -91,17 +89,16 @@ class EagerBackend:
                                                  chunk_tokens=self.chunk_tokens)
             (loss / global_target_tokens).backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm(self.params, max_norm=self.max_norm)
+        grad_norm = clip_grad_norm(self.params, max_norm=self.max_norm, sharded=self.sharded)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.reduce_loss:
+        if self.sharded:
             dist.all_reduce(loss_sum)
         return StepResult(loss_sum=loss_sum.item(), grad_norm=grad_norm)
 
     def named_master_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
-            tensor = param.detach()
-            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            yield name, param.detach().full_tensor() if self.sharded else param.detach()
 
     def close(self) -> None:
         del self.optimizer, self.params, self.model
@@ -114,12 +111,16 @@ def build_single_backend(config: JobConfig, args: QwenArgs, *, device: torch.dev
     model = build_model(args, seed=config.training.seed, hf_dir=config.model.hf_dir)
     apply_activation_checkpointing(model, mode=config.activation_checkpoint.mode)
     return EagerBackend(model.to(device), config, device=device,
-                        autocast=config.training.dtype == "bf16", reduce_loss=False)
+                        autocast=config.training.dtype == "bf16", sharded=False)
 
 
 def build_fsdp2_backend(config: JobConfig, args: QwenArgs, *, device: torch.device) -> EagerBackend:
     """FSDP2 over all ranks of the default process group: one shard group per block plus the
     root (embedding, final norm, head); BF16 all-gathers and FP32 gradient reduce-scatters."""
+    # Imported here: torch.distributed.fsdp takes seconds to import, which other modes skip.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
     training = config.training
     if training.init_on_meta:
         with torch.device("meta"):
@@ -147,7 +148,7 @@ def build_fsdp2_backend(config: JobConfig, args: QwenArgs, *, device: torch.devi
             # (not FSDP's default mean over ranks). Sum-only also avoids PREMUL_SUM, which gloo lacks.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return EagerBackend(model, config, device=device, autocast=False, reduce_loss=True)
+    return EagerBackend(model, config, device=device, autocast=False, sharded=True)
 
 
 def build_backend(config: JobConfig, args: QwenArgs, *, device: torch.device, dp_rank: int,

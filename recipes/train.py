@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from models.args import QwenArgs
 from models.flavors import PUBLISHED_BILLIONS
 from models.loss import IGNORE_INDEX
-from recipes.backend import Batch, TrainBackend
+from recipes.backend import Batch, StepResult, TrainBackend
 from recipes.config import ConfigError, JobConfig, parse_config, resolve_model
 from recipes.lr_schedule import LRSchedule
 from recipes.metrics import MetricsLogger, memory, throughput
@@ -63,12 +64,49 @@ def build_batches(config: JobConfig, args: QwenArgs, *, dp_rank: int,
     return iter(PackedDataLoader(training.dataset_path, tokenizer, eos_id=eos_id, **shape))
 
 
+def build_lr_schedule(config: JobConfig) -> LRSchedule:
+    sched = config.lr_scheduler
+    return LRSchedule(lr=config.optimizer.lr, total_steps=config.training.steps,
+                      warmup_steps=sched.warmup_steps, decay_type=sched.decay_type,
+                      min_lr_factor=sched.min_lr_factor)
+
+
 def _global_target_tokens(micro_batches: list[Batch], *, device: torch.device) -> int:
     count = torch.tensor(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches),
                          dtype=torch.int64, device=device)
     if dist.is_initialized():
         dist.all_reduce(count)
     return int(count.item())
+
+
+@dataclass
+class StepOutcome:
+    """One optimizer step as the loop saw it."""
+
+    step: int
+    lr: float
+    target_tokens: int
+    """Loss targets of the step over all ranks and micro-batches."""
+    result: StepResult
+    step_time: float
+    """Seconds, from drawing the micro-batches to the backend's return."""
+
+    @property
+    def loss(self) -> float:
+        return self.result.loss_sum / max(self.target_tokens, 1)
+
+
+def train_steps(backend: TrainBackend, batches: Iterator[Batch], schedule: LRSchedule, *,
+                steps: int, grad_accum_steps: int, device: torch.device) -> Iterator[StepOutcome]:
+    """The loop proper: per step, draw the micro-batches, count the global targets, step."""
+    for step in range(1, steps + 1):
+        start = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(grad_accum_steps)]
+        target_tokens = _global_target_tokens(micro_batches, device=device)
+        lr = schedule.lr_at(step)
+        result = backend.train_step(micro_batches, lr=lr, global_target_tokens=target_tokens)
+        yield StepOutcome(step=step, lr=lr, target_tokens=target_tokens, result=result,
+                          step_time=time.perf_counter() - start)
 
 
 def save_checkpoint(backend: TrainBackend, config: JobConfig, args: QwenArgs, *, step: int,
@@ -91,10 +129,10 @@ def save_checkpoint(backend: TrainBackend, config: JobConfig, args: QwenArgs, *,
 
 
 def _describe_model(name: str, args: QwenArgs) -> str:
-    billions = args.num_params() / 1e9
+    n = args.num_params()
     published = PUBLISHED_BILLIONS.get(name)
-    versus = f" (published: {published}B)" if published is not None else ""
-    return f"model {name}: {billions:.3f}B parameters{versus}, {args.n_layers} layers"
+    versus = f", published {published}B" if published is not None else ""
+    return f"model {name}: {n:,} parameters ({n / 1e9:.2f}B{versus}), {args.n_layers} layers"
 
 
 def _init_distributed(device: torch.device, *, world: int) -> None:
@@ -139,17 +177,14 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
         logger.info("%s", config.job.description)
     logger.info("%s", _describe_model(name, args))
     batches = build_batches(config, args, dp_rank=rank, dp_world=world)
-    global_tokens = training.local_batch_size * training.seq_len * training.grad_accum_steps * world
+    step_tokens = training.local_batch_size * training.seq_len * training.grad_accum_steps * world
     logger.info("mode %s on %d x %s, %s compute, global batch %d tokens (%d x %d seq x %d accum "
                 "x %d ranks)", config.parallelism.mode, world, device.type, training.dtype,
-                global_tokens, training.local_batch_size, training.seq_len,
+                step_tokens, training.local_batch_size, training.seq_len,
                 training.grad_accum_steps, world)
     torch.manual_seed(training.seed)
     backend = build_backend(config, args, device=device, dp_rank=rank, dp_world=world)
-    schedule = LRSchedule(lr=config.optimizer.lr, total_steps=training.steps,
-                          warmup_steps=config.lr_scheduler.warmup_steps,
-                          decay_type=config.lr_scheduler.decay_type,
-                          min_lr_factor=config.lr_scheduler.min_lr_factor)
+    schedule = build_lr_schedule(config)
     metrics = MetricsLogger(config.job.dump_folder, enabled=rank == 0,
                             log_freq=config.metrics.log_freq, last_step=training.steps,
                             jsonl=config.metrics.jsonl,
@@ -157,22 +192,17 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
     flops_per_token = args.flops_per_token(training.seq_len)
     interval, save_dir = config.checkpoint.interval, config.checkpoint.save_dir
     try:
-        for step in range(1, training.steps + 1):
-            start = time.perf_counter()
-            micro_batches = [next(batches) for _ in range(training.grad_accum_steps)]
-            target_tokens = _global_target_tokens(micro_batches, device=device)
-            lr = schedule.lr_at(step)
-            result = backend.train_step(micro_batches, lr=lr, global_target_tokens=target_tokens)
-            step_time = time.perf_counter() - start
-            metrics.log(step, {
-                "loss": result.loss_sum / max(target_tokens, 1), "lr": lr,
-                "grad_norm": result.grad_norm, "target_tokens": target_tokens,
-                **throughput(global_tokens=global_tokens, step_time=step_time,
+        for out in train_steps(backend, batches, schedule, steps=training.steps,
+                               grad_accum_steps=training.grad_accum_steps, device=device):
+            metrics.log(out.step, {
+                "loss": out.loss, "lr": out.lr, "grad_norm": out.result.grad_norm,
+                "target_tokens": out.target_tokens,
+                **throughput(global_tokens=step_tokens, step_time=out.step_time,
                              flops_per_token=flops_per_token, world=world,
                              on_cuda=device.type == "cuda"),
-                **memory(device), "step_time_s": step_time, **result.extra})
-            if save_dir and (step == training.steps or (interval and step % interval == 0)):
-                save_checkpoint(backend, config, args, step=step, rank=rank)
+                **memory(device), "step_time_s": out.step_time, **out.result.extra})
+            if save_dir and (out.step == training.steps or (interval and out.step % interval == 0)):
+                save_checkpoint(backend, config, args, step=out.step, rank=rank)
     finally:
         metrics.close()
         backend.close()

@@ -27,5 +27,6 @@ class SlideDPConfig:
     bf16_shadow: bool = True
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
     so delivery is a plain copy (2 bytes/param more host memory, half the cast work)."""
-    shm_dir: str = "/dev/shm"
-    """Directory for the shared-memory mapping of the host state (a tmpfs)."""
+    check_host_memory: bool = True
+    """Refuse to start when the host state exceeds MemAvailable (off for VMs whose memory grows
+    on demand and under-reports at start)."""

@@ -1,9 +1,10 @@
 """The one authoritative training state of a node, in shared memory.
 
-Rank 0 creates a file on a tmpfs (/dev/shm), every local rank maps it, and as soon as all have
-mapped it rank 0 unlinks the name: the memory then lives exactly as long as some rank still maps
-it, so it is released on normal exit, on an exception and when a rank is killed (no stale
-segments to clean up by hand). On CUDA machines the ranges that DMA engines touch are registered
+Rank 0 creates an anonymous memory file (memfd: no name in any filesystem, and not bounded by
+/dev/shm's size), the other local ranks open it through /proc/<pid>/fd/<fd> and map it, and rank 0
+closes its descriptor once all have mapped it: the memory then lives exactly as long as some rank
+still maps it, so it is released on normal exit, on an exception and when a rank is killed (there
+are no stale segments to clean up by hand). On CUDA machines the ranges that DMA engines touch are registered
 as pinned memory (cudaHostRegister), so each byte exists once and copies are asynchronous.
 
 Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_ALIGN):
@@ -19,8 +20,8 @@ Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_A
 import mmap
 import os
 import time
-import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -61,42 +62,34 @@ def host_state_bytes(layout: StateLayout, plan: HostStatePlan) -> int:
                for _, dtype, numel in _region_sizes(layout, plan))
 
 
-def available_host_bytes(shm_dir: str) -> int:
-    """What a new tmpfs mapping can still take: the smaller of the tmpfs's free space and the
-    memory the kernel reports as available."""
-    st = os.statvfs(shm_dir)
-    free = st.f_bavail * st.f_frsize
+def available_host_bytes() -> int:
+    """Memory the kernel reports as available for new allocations (MemAvailable)."""
     with open("/proc/meminfo") as f:
         meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return min(free, meminfo.get("MemAvailable", free))
+    return meminfo["MemAvailable"]
 
 
 class SharedHostState:
     """The mapped regions, as flat CPU tensors shared by every local rank."""
 
     def __init__(self, layout: StateLayout, plan: HostStatePlan, *, rank: int, world: int,
-                 shm_dir: str, run_id: str, barrier, pin: bool):
+                 share: Callable[[str], str], barrier: Callable[[], None], pin: bool):
+        """`share(path)` broadcasts rank 0's string to every rank; `barrier()` syncs the ranks."""
         self.layout, self.plan, self.rank, self.world = layout, plan, rank, world
         self.nbytes = host_state_bytes(layout, plan)
-        self.path = os.path.join(shm_dir, f"slidedp-{run_id}")
+        path = ""
         if rank == 0:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, self.nbytes)
-            except OSError:
-                os.close(fd)
-                os.unlink(self.path)
-                raise
-        barrier()
+            fd = os.memfd_create("slidedp-host-state", os.MFD_CLOEXEC)
+            os.ftruncate(fd, self.nbytes)
+            path = f"/proc/{os.getpid()}/fd/{fd}"
+        path = share(path)
         if rank != 0:
-            fd = os.open(self.path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR)
         try:
             self._mmap = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
         finally:
+            barrier()  # rank 0's descriptor must outlive every rank's open()
             os.close(fd)
-        barrier()
-        if rank == 0:
-            os.unlink(self.path)  # from here the mapping dies with the last process
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._raw = raw
         self.regions: dict[str, torch.Tensor] = {}
@@ -113,10 +106,6 @@ class SharedHostState:
             for name in ("shadow", "staging", "master"):
                 if name in self.regions and (name != "master" or not plan.bf16_shadow):
                     self._register(self.regions[name])
-
-    @staticmethod
-    def new_run_id() -> str:
-        return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
     def _register(self, t: torch.Tensor) -> None:
         # Registered (not copied) pinned memory: the DMA engines read the shared bytes directly.

@@ -48,18 +48,24 @@ def main() -> None:
     p.add_argument("--max-norm", type=float, default=0.0)
     p.add_argument("--batch", type=int, default=2, help="samples per rank per micro-batch")
     p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    dist.init_process_group("gloo")
+    if a.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
     args = get_flavor(a.flavor)
     data = global_batches(steps=a.steps, accum=a.accum, batch=a.batch * world, seq=a.seq,
                           vocab=args.vocab_size, seed=7)
     results = []
     for i, variant in enumerate(json.loads(a.variants)):
         cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm)
-        backend = SlideDPBackend(cfg, args, device=torch.device("cpu"), dp_rank=rank, dp_world=world)
+        backend = SlideDPBackend(cfg, args, device=device, dp_rank=rank, dp_world=world)
         losses, norms, traffic = [], [], []
         for micro in data:
             ntok = sum(int((y != -100).sum()) for _, y in micro)

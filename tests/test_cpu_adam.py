@@ -157,6 +157,7 @@ def test_concurrent_callers(isa):
 
 
 def _child_update(queue) -> None:
+    torch.set_num_threads(1)  # torch's own OpenMP pool does not survive fork(); ours must
     views = _views(4 * 32768, grad_dtype=torch.float32, seed=0)
     views["grad"].fill_(1.0)
     cpu_adam.adam_update(views["param"], views["grad"], views["exp_avg"], views["exp_avg_sq"], step=1, lr=1e-3,
@@ -165,13 +166,15 @@ def _child_update(queue) -> None:
 
 
 def test_forked_child_gets_a_fresh_pool(isa):
+    if isa == cpu_adam.TORCH_ISA:
+        pytest.skip("tests the kernel's thread pool")
     _run(_views(4 * 32768, grad_dtype=torch.float32, seed=0), [torch.randn(4 * 32768)], adamw=True, scale=1.0,
          lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # parent pool has started threads
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(target=_child_update, args=(queue,))
     child.start()
-    child.join(timeout=60)
+    child.join(timeout=30)
     if child.is_alive():
         child.kill()
         pytest.fail("the forked child hung in adam_update")

@@ -1,0 +1,180 @@
+"""Throughput of one parallelism mode over several batch sizes (and SlideDP routes) in one
+process group and one model build, so peers can be measured side by side on the same machine.
+
+    torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode slidedp --flavor qwen3-8B \\
+        --seq 4096 --batches 4,8,16 --routes sharded/gpu,replicated/gpu --out runs.jsonl
+    torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode fsdp2 --ac full ...
+    torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode reference --ac full ...
+    python -m recipes.bench.throughput --report runs.jsonl          # markdown table + ratios
+
+Modes: slidedp and fsdp2 train for real (synthetic tokens, AdamW); `reference` is DESIGN.md's
+compute-only reference: the BF16 model resident on each GPU, forward+backward only, no host
+traffic and no communication (each rank alone; the global rate is the per-GPU rate x ranks).
+Each point: `--warmup` steps, then the median of `--steps` timed steps (device synchronized).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from models.flavors import get_flavor
+from models.loss import chunked_cross_entropy_sum
+from models.qwen import QwenModel
+from recipes.config import JobConfig
+from recipes.metrics import memory, throughput
+from recipes.parallelize import apply_activation_checkpointing, build_backend
+
+
+def _synthetic(batch: int, seq: int, vocab: int, *, device: torch.device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(vocab, (batch, seq + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+class _Reference:
+    """Forward + backward of the resident BF16 model: the compute-only reference."""
+
+    def __init__(self, flavor: str, *, device: torch.device, ac: str, loss_chunk: int):
+        with torch.device("meta"):
+            model = QwenModel(get_flavor(flavor))
+        model.to_empty(device=device)
+        model.init_weights()
+        self.model = model.to(torch.bfloat16)
+        apply_activation_checkpointing(self.model, mode=ac)
+        self.loss_chunk = loss_chunk
+
+    def step(self, batch) -> dict:
+        tokens, labels = (t.to(self.model.embed_tokens.weight.device) for t in batch)
+        hidden = self.model(tokens)
+        loss = chunked_cross_entropy_sum(hidden, self.model.head_weight(), labels,
+                                         chunk_tokens=self.loss_chunk) / labels.numel()
+        loss.backward()
+        for p in self.model.parameters():
+            p.grad = None
+        return {}
+
+
+def _config(a: argparse.Namespace, route: str) -> JobConfig:
+    cfg = JobConfig()
+    cfg.parallelism.mode = a.mode
+    cfg.model.flavor = a.flavor
+    cfg.training.seq_len, cfg.training.max_norm = a.seq, a.max_norm
+    cfg.training.init_on_meta = True
+    cfg.activation_checkpoint.mode = a.ac
+    cfg.slidedp.delivery, cfg.slidedp.reduction = route.split("/")
+    cfg.slidedp.activation, cfg.slidedp.keep_blocks = a.activation, a.keep_blocks
+    cfg.slidedp.window_slots, cfg.slidedp.chunk_mib = a.slots, a.chunk_mib
+    return cfg
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("slidedp", "fsdp2", "reference"))
+    p.add_argument("--flavor", default="qwen3-8B")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batches", default="4,8,16", help="local batch sizes (sequences per GPU)")
+    p.add_argument("--routes", default="sharded/gpu", help="slidedp: delivery/reduction list; "
+                   "the first one's reduction decides whether the host staging region exists")
+    p.add_argument("--ac", default="full", choices=("none", "full"), help="fsdp2/reference checkpointing")
+    p.add_argument("--activation", default="recompute", help="slidedp default block policy")
+    p.add_argument("--keep-blocks", type=int, default=0, help="slidedp: first N blocks keep activations")
+    p.add_argument("--slots", type=int, default=3)
+    p.add_argument("--chunk-mib", type=float, default=32.0)
+    p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--label", default="")
+    p.add_argument("--out", default="throughput.jsonl")
+    p.add_argument("--report", nargs="*", help="print the markdown table of these JSONL files")
+    a = p.parse_args()
+    if a.report:
+        print(report(a.report))
+        return
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    args = get_flavor(a.flavor)
+    routes = a.routes.split(",") if a.mode == "slidedp" else ["-"]
+    t0 = time.perf_counter()
+    if a.mode == "reference":
+        runner = _Reference(a.flavor, device=device, ac=a.ac, loss_chunk=4096)
+    else:
+        backend = build_backend(_config(a, routes[0] if a.mode == "slidedp" else "sharded/gpu"),
+                                args, device=device, dp_rank=rank, dp_world=world)
+    if rank == 0:
+        print(f"[bench] {a.mode} {a.flavor} built in {time.perf_counter() - t0:.1f}s", flush=True)
+    for route in routes:
+        if a.mode == "slidedp":
+            backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
+        for batch in (int(b) for b in a.batches.split(",")):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+            times, extras = [], []
+            for i in range(a.warmup + a.steps):
+                data = _synthetic(batch, a.seq, args.vocab_size, device=device, seed=i * world + rank)
+                start = time.perf_counter()
+                if a.mode == "reference":
+                    extra = runner.step(data)
+                else:
+                    extra = backend.train_step([data], lr=1e-5,
+                                               global_target_tokens=batch * a.seq * world).extra
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                if i >= a.warmup:
+                    times.append(time.perf_counter() - start)
+                    extras.append(extra)
+            step_time = statistics.median(times)
+            row = {"mode": a.mode, "label": a.label, "flavor": a.flavor, "route": route,
+                   "ac": a.ac if a.mode != "slidedp" else a.activation,
+                   "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
+                   "world": world, "seq": a.seq, "local_batch": batch, "step_time_s": step_time,
+                   **throughput(global_tokens=batch * a.seq * world, step_time=step_time,
+                                flops_per_token=args.flops_per_token(a.seq), world=world,
+                                on_cuda=device.type == "cuda"),
+                   **memory(device),
+                   **{k: statistics.mean(e[k] for e in extras) for k in (extras[0] if extras else {})}}
+            if rank == 0:
+                print("[bench]", json.dumps(row), flush=True)
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    if a.mode != "reference":
+        backend.close()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def report(paths: list[str]) -> str:
+    """Markdown table; ratios against the compute-only reference at the same batch and seq
+    (same checkpointing where both exist) and against the best FSDP2 throughput."""
+    rows = [json.loads(line) for path in paths for line in open(path) if line.strip()]
+    refs = {(r["local_batch"], r["seq"], r["ac"]): r["tokens_per_s"] for r in rows if r["mode"] == "reference"}
+    best_fsdp2 = max((r["tokens_per_s"] for r in rows if r["mode"] == "fsdp2"), default=None)
+    lines = ["| system | route | activations | seq/GPU | tokens/s | TFLOP/s/GPU | MFU | peak GPU GiB (alloc/reserved) | host RSS GiB | vs reference | vs FSDP2 peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ac = r["ac"] + (f"+keep{r['keep_blocks']}" if r.get("keep_blocks") else "")
+        ref_ac = "full" if r["ac"] == "recompute" else ("none" if r["ac"] == "keep" else r["ac"])
+        ref = refs.get((r["local_batch"], r["seq"], ref_ac))
+        vs_ref = f"{r['tokens_per_s'] / ref:.1%}" if ref else "–"
+        vs_fsdp = f"{r['tokens_per_s'] / best_fsdp2:.2f}x" if best_fsdp2 else "–"
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "–"
+        mem = (f"{r['peak_mem_alloc_gib']:.1f}/{r['peak_mem_reserved_gib']:.1f}"
+               if r.get("peak_mem_alloc_gib") is not None else "–")
+        lines.append(f"| {r['mode']}{' ' + r['label'] if r['label'] else ''} | {r['route']} | {ac} | "
+                     f"{r['local_batch']} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | "
+                     f"{mem} | {r['peak_rss_gib']:.1f} | {vs_ref} | {vs_fsdp} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
