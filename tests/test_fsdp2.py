@@ -90,13 +90,17 @@ def fsdp2_meta_init_rank(rank: int, world: int) -> dict:
                           "training.steps": 1, "training.seq_len": 32,
                           "training.local_batch_size": 2, "training.dtype": "fp32"})
     backend = build_fsdp2_backend(config, ARGS, device=torch.device("cpu"))
-    return train(backend, config, dp_rank=rank, dp_world=world)
+    initial = {n: t.clone() for n, t in backend.named_master_parameters()}
+    return {"initial": initial, **train(backend, config, dp_rank=rank, dp_world=world)}
 
 
 def test_fsdp2_init_on_meta_initializes_every_shard():
     result = run_ranks(fsdp2_meta_init_rank, world=WORLD)[0]
+    initial = result["initial"]
+    assert torch.all(initial["norm.weight"] == 1.0)
+    up = initial["layers.0.mlp.up_proj.weight"]
+    assert up.std() == pytest.approx(0.02, rel=0.1)
+    half = up.shape[0] // 2
+    assert not torch.equal(up[:half], up[half:])  # the ranks' shards are not copies
     # Random init predicts uniform guesses: loss ln(vocab).
     assert result["losses"][0] == pytest.approx(math.log(ARGS.vocab_size), abs=0.1)
-    weights = result["weights"]
-    assert weights["layers.0.mlp.up_proj.weight"].std() == pytest.approx(0.02, rel=0.1)
-    assert torch.all(weights["norm.weight"] == 1.0)

@@ -69,6 +69,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.slidedp.delivery, cfg.slidedp.reduction = route.split("/")
     cfg.slidedp.activation, cfg.slidedp.keep_blocks = a.activation, a.keep_blocks
     cfg.slidedp.window_slots, cfg.slidedp.chunk_mib = a.slots, a.chunk_mib
+    cfg.slidedp.check_host_memory = not a.no_memory_check
     return cfg
 
 
@@ -86,6 +87,8 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=3)
     p.add_argument("--chunk-mib", type=float, default=32.0)
     p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="slidedp: skip the MemAvailable check (VMs whose memory grows on demand)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--label", default="")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU-machine runs behind docs/PERFORMANCE.md, stage by stage:
+#   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
+# Stages: env adam gputest smoke reference fsdp2 slidedp slidedp14 (each appends to OUT_DIR/runs.jsonl).
+set -uo pipefail
+out=$1; shift
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+export OMP_NUM_THREADS=$(( $(nproc) / ngpu ))
+run() { torchrun --standalone --nproc_per_node="$ngpu" -m recipes.bench.throughput --out "$out/runs.jsonl" "$@"; }
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    env) nproc; free -g; df -h /dev/shm; ulimit -l; nvidia-smi --query-gpu=name,memory.total --format=csv
+         python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count())'
+         grep -E 'MemTotal|MemAvailable|Shmem:' /proc/meminfo; nvidia-smi topo -m | head -4 ;;
+    adam) python3 -m recipes.bench.cpu_adam --params 200e6 --threads 1,2,4,8,16,32 --json "$out/cpu_adam.json" ;;
+    gputest) python3 -m pytest -q -x tests/test_slidedp.py -k gpu ;;
+    smoke) run --mode slidedp --batches 4 --routes sharded/gpu --max-norm 0 --no-memory-check --steps 1 \
+             --flavor qwen3-8B ;;
+    reference) run --mode reference --ac full --batches 16 --flavor qwen3-8B ;;
+    fsdp2) run --mode fsdp2 --ac full --batches 8,16,24 --flavor qwen3-8B ;;
+    slidedp) run --mode slidedp --batches 16,32 --routes sharded/gpu,replicated/gpu --max-norm 0 --no-memory-check \
+               --flavor qwen3-8B ;;
+    slidedp14) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check --flavor qwen3-14B ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
