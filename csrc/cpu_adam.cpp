@@ -23,7 +23,6 @@
 #include <mutex>
 #include <thread>
 #include <type_traits>
-#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>

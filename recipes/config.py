@@ -70,8 +70,8 @@ class Training:
     dtype: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype; master weights and optimizer state are always FP32."""
     init_on_meta: bool = False
-    """fsdp2 only: build on the meta device and initialize each rank's shards in place on its
-    device (fast for big models; values differ from CPU init with the same seed)."""
+    """Build on the meta device and initialize where the weights live (fsdp2: each rank's
+    shards; fast for big models; on GPUs the values differ from the CPU init of the same seed)."""
 
 
 @dataclass
@@ -221,10 +221,11 @@ def check_config(config: JobConfig) -> None:
             _check_value(f"{section.name}.{name}", getattr(obj, name), tp)
 
 
-def _require_path(key: str, value: str, *, kind: str, must_contain: str = "") -> None:
+def _require_path(key: str, value: str, *, kind: Literal["file", "directory", "file or directory"],
+                  must_contain: str = "") -> None:
     path = Path(value)
-    found = path.is_dir() if kind == "directory" else path.exists()
-    if not found:
+    found = {"file": path.is_file, "directory": path.is_dir, "file or directory": path.exists}[kind]
+    if not found():
         raise ConfigError(f"{key}: {kind} not found: {value}")
     if must_contain and not (path / must_contain).is_file():
         raise ConfigError(f"{key}: {value} has no {must_contain}")
@@ -285,8 +286,8 @@ def _check_paths(config: JobConfig) -> None:
 
 def _check_combinations(config: JobConfig) -> None:
     training = config.training
-    if training.init_on_meta and config.parallelism.mode != "fsdp2":
-        raise ConfigError('training.init_on_meta: only supported with parallelism.mode = "fsdp2"')
+    if training.init_on_meta and config.parallelism.mode == "single":
+        raise ConfigError('training.init_on_meta: not supported with parallelism.mode = "single"')
     if training.init_on_meta and config.model.hf_dir:
         raise ConfigError("training.init_on_meta: cannot be combined with model.hf_dir "
                           "(checkpoint weights are loaded before sharding)")

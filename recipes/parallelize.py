@@ -16,7 +16,7 @@ from torch.distributed._composable import checkpoint
 
 from models.args import QwenArgs
 from models.loss import chunked_cross_entropy_sum
-from models.qwen import QwenModel
+from models.qwen import QwenModel, init_parameter
 from recipes.backend import Batch, StepResult
 from recipes.config import JobConfig
 
@@ -114,6 +114,22 @@ def build_single_backend(config: JobConfig, args: QwenArgs, *, device: torch.dev
                         autocast=config.training.dtype == "bf16", sharded=False)
 
 
+@torch.no_grad()
+def _init_sharded_weights(model: QwenModel, *, seed: int) -> None:
+    """Random init of FSDP2-sharded parameters: every rank draws each full parameter on its
+    device from the same seeded stream and keeps its shard. The result does not depend on the
+    world size and, on the CPU, equals build_model's. (DTensor's own random ops are not used:
+    on CPU meshes they give every rank the same shard.)"""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(seed)
+    for name, param in model.named_parameters():
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+        init_parameter(name, full)
+        param.copy_(distribute_tensor(full, param.device_mesh, param.placements,
+                                      src_data_rank=None))  # None: slice locally, no scatter
+
+
 def build_fsdp2_backend(config: JobConfig, args: QwenArgs, *, device: torch.device) -> EagerBackend:
     """FSDP2 over all ranks of the default process group: one shard group per block plus the
     root (embedding, final norm, head); BF16 all-gathers and FP32 gradient reduce-scatters."""
@@ -140,8 +156,7 @@ def build_fsdp2_backend(config: JobConfig, args: QwenArgs, *, device: torch.devi
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if training.init_on_meta:
         model.to_empty(device=device)
-        torch.manual_seed(training.seed)
-        model.init_weights()
+        _init_sharded_weights(model, seed=training.seed)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The loss is already normalized by the global token count: reduce by a plain sum

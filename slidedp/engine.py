@@ -75,7 +75,7 @@ class SlideDPBackend:
         self.traffic = Traffic()
         self.set_routes(delivery=cfg.delivery, reduction=cfg.reduction)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
-        threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local_world)
+        threads = cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // local_world)
         self.optimizer = HostOptimizer(self.state, AdamHyper(beta1=opt.beta1, beta2=opt.beta2,
                                                              eps=opt.eps,
                                                              weight_decay=opt.weight_decay),
@@ -222,14 +222,17 @@ class SlideDPBackend:
                   n_micro: int, lr: float) -> None:
         st, last, step = self.state, micro == n_micro - 1, self.steps_done + 1
         update_now = last and self.max_norm <= 0
-        for lo, hi, g in self.grad_return.chunks(unit, flat, ready, token):
+        # A single micro-batch through the GPU route: its norm is taken on the GPU. Otherwise
+        # the gradient reaching Adam is FP32 on the host (accumulated or host-summed): dot it.
+        device_norm = not st.plan.grad_accum and self.grad_return.route == "gpu"
+        for lo, hi, g in self.grad_return.chunks(unit, flat, ready, token, device_norm=device_norm):
             a, b = unit.host_offset + lo, unit.host_offset + hi
             if st.plan.grad_accum:
                 acc = st.grad_accum[a:b]
                 acc.copy_(g) if micro == 0 else acc.add_(g)
                 g = acc
-            if last:
-                self._normsq += float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+            if last and not device_norm:
+                self._normsq += float(torch.dot(g, g))
             if update_now:
                 self.optimizer.update(a, b, g, step=step, lr=lr)
         if update_now:
@@ -328,6 +331,7 @@ class SlideDPBackend:
             fut.result()
         self._pending.clear()
         t_drained = time.perf_counter()
+        self._normsq += self.grad_return.take_device_normsq()
         totals = torch.tensor([self._normsq, float(loss)], dtype=torch.float64)
         self._normsq = 0.0
         if self.world > 1:

@@ -48,6 +48,7 @@ class GradientReturn:
         self.rank, self.world, self.group = rank, world, group
         self.chunk, self.traffic = chunk_elems, traffic
         self.stream = streams.new_stream()
+        self._normsq: torch.Tensor | None = None
         if route == "gpu":
             self.recv = torch.empty(max_unit // world, dtype=torch.bfloat16,
                                     pin_memory=streams.is_cuda)
@@ -56,8 +57,20 @@ class GradientReturn:
             self.recv = None
             self.sum_buf = torch.empty(chunk_elems, dtype=torch.float32)
 
+    def take_device_normsq(self) -> float:
+        """Squared norm of the reduced shards returned with `device_norm=True` since the last
+        call (summed on the GPU, where it costs nothing; on the host it would be a pass over
+        the gradient as slow as the update itself)."""
+        if self._normsq is None:
+            return 0.0
+        Streams.synchronize(self.streams.record(self.stream))
+        value, self._normsq = float(self._normsq), None
+        return value
+
     def chunks(self, unit: Unit, flat_grad: torch.Tensor, ready: torch.cuda.Event | None,
-               token: int):
+               token: int, *, device_norm: bool):
+        """The summed gradient of this rank's shard, chunk by chunk. With `device_norm` (GPU
+        route only) its squared norm is accumulated on the device as well."""
         lo, hi = unit.shard(self.rank, self.world)
         with self.streams.use(self.stream):
             self.streams.wait(ready, self.stream)
@@ -65,17 +78,21 @@ class GradientReturn:
             if self.streams.is_cuda:
                 flat_grad.record_stream(self.stream)
             if self.route == "gpu":
-                yield from self._gpu_route(unit, flat_grad, lo, hi)
+                yield from self._gpu_route(unit, flat_grad, lo, hi, device_norm=device_norm)
             else:
                 yield from self._cpu_route(unit, flat_grad, lo, hi, token)
 
-    def _gpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int):
+    def _gpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, *,
+                   device_norm: bool):
         shard = torch.empty(hi - lo, dtype=flat_grad.dtype, device=flat_grad.device)
         if self.world > 1:
             dist.reduce_scatter_tensor(shard, flat_grad, group=self.group)
             self.traffic.reduce_scatter += (unit.padded - (hi - lo)) * 2
         else:
             shard.copy_(flat_grad)
+        if device_norm:
+            sq = torch.linalg.vector_norm(shard, dtype=torch.float32).square()
+            self._normsq = sq if self._normsq is None else self._normsq + sq
         events = []
         for start in range(0, hi - lo, self.chunk):
             end = min(start + self.chunk, hi - lo)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU-machine runs behind docs/PERFORMANCE.md, stage by stage:
 #   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
-# Stages: env adam gputest smoke reference fsdp2 slidedp slidedp14 (each appends to OUT_DIR/runs.jsonl).
+# Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep fsdp2_14 slidedp14 (each appends to OUT_DIR/runs.jsonl).
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
@@ -20,10 +20,13 @@ for stage in "$@"; do
     gputest) python3 -m pytest -q -x tests/test_slidedp.py -k gpu ;;
     smoke) run --mode slidedp --batches 4 --routes sharded/gpu --max-norm 0 --no-memory-check --steps 1 \
              --flavor qwen3-8B ;;
-    reference) run --mode reference --ac full --batches 16 --flavor qwen3-8B ;;
+    reference) run --mode reference --ac full --batches 16,32 --flavor qwen3-8B ;;
     fsdp2) run --mode fsdp2 --ac full --batches 8,16,24 --flavor qwen3-8B ;;
     slidedp) run --mode slidedp --batches 16,32 --routes sharded/gpu,replicated/gpu --max-norm 0 --no-memory-check \
                --flavor qwen3-8B ;;
+    slidedpkeep) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check \
+                   --keep-blocks 6 --label keep6 --flavor qwen3-8B ;;
+    fsdp2_14) run --mode fsdp2 --ac full --batches 8 --flavor qwen3-14B ;;
     slidedp14) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check --flavor qwen3-14B ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
