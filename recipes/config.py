@@ -14,6 +14,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from models.args import QwenArgs
 from models.flavors import FLAVORS
+from slidedp.activations import POLICIES
 from slidedp.config import SlideDPConfig
 
 if sys.version_info >= (3, 11):
@@ -39,8 +40,7 @@ class Job:
 @dataclass
 class Model:
     flavor: str = ""
-    """Architecture name from models/flavors.py (e.g. qwen3-8B); empty: inferred from hf_dir,
-    qwen3-debug when hf_dir is empty too."""
+    """Flavor from models/flavors.py (e.g. qwen3-8B); empty: hf_dir's, else qwen3-debug."""
     hf_dir: str = ""
     """Hugging Face model directory (config.json + safetensors) to fine-tune; empty: random init."""
     tokenizer_dir: str = ""
@@ -70,8 +70,7 @@ class Training:
     dtype: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype; master weights and optimizer state are always FP32."""
     init_on_meta: bool = False
-    """Build on the meta device and initialize where the weights live (fsdp2: each rank's
-    shards; fast for big models; on GPUs the values differ from the CPU init of the same seed)."""
+    """Create weights on the meta device, init them in place after sharding (fast; fsdp2)."""
 
 
 @dataclass
@@ -101,8 +100,7 @@ class LRScheduler:
 @dataclass
 class Parallelism:
     mode: Literal["single", "fsdp2", "slidedp"] = "single"
-    """"single": one process, all on one device; "fsdp2": torch FSDP2, GPU-resident;
-    "slidedp": host-resident weights and optimizer, streamed through the GPUs."""
+    """single: one device; fsdp2: torch FSDP2 on the GPUs; slidedp: host-resident, streamed."""
 
 
 @dataclass
@@ -147,7 +145,7 @@ class JobConfig:
 _STR_CHOICES: dict[str, tuple[str, ...]] = {
     "slidedp.delivery": ("replicated", "sharded"),
     "slidedp.reduction": ("gpu", "cpu"),
-    "slidedp.activation": ("keep", "recompute"),
+    "slidedp.activation": POLICIES,
 }
 
 # Numeric bounds: key -> (predicate, what it must be).
@@ -236,7 +234,8 @@ def resolve_model(config: JobConfig) -> tuple[str, QwenArgs]:
     A custom architecture read from hf_dir that matches no flavor is named after the directory."""
     flavor, hf_dir = config.model.flavor, config.model.hf_dir
     if flavor and flavor not in FLAVORS:
-        raise ConfigError(f"model.flavor: unknown flavor {flavor!r} (choose one of {', '.join(FLAVORS)})")
+        raise ConfigError(f"model.flavor: unknown flavor {flavor!r} "
+                          f"(choose one of {', '.join(FLAVORS)})")
     if not hf_dir:
         name = flavor or "qwen3-debug"
         return name, FLAVORS[name]

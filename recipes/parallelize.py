@@ -106,7 +106,8 @@ class EagerBackend:
             torch.cuda.empty_cache()
 
 
-def build_single_backend(config: JobConfig, args: QwenArgs, *, device: torch.device) -> EagerBackend:
+def build_single_backend(config: JobConfig, args: QwenArgs, *,
+                         device: torch.device) -> EagerBackend:
     """FP32 weights on one device; BF16 compute through autocast."""
     model = build_model(args, seed=config.training.seed, hf_dir=config.model.hf_dir)
     apply_activation_checkpointing(model, mode=config.activation_checkpoint.mode)
@@ -159,8 +160,8 @@ def build_fsdp2_backend(config: JobConfig, args: QwenArgs, *, device: torch.devi
         _init_sharded_weights(model, seed=training.seed)
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            # The loss is already normalized by the global token count: reduce by a plain sum
-            # (not FSDP's default mean over ranks). Sum-only also avoids PREMUL_SUM, which gloo lacks.
+            # The loss is already normalized by the global token count: reduce by a plain sum,
+            # not FSDP's default mean over ranks. Sum-only also avoids PREMUL_SUM (gloo lacks it).
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return EagerBackend(model, config, device=device, autocast=False, sharded=True)

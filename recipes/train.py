@@ -1,5 +1,6 @@
-"""The training entry point: `python -m recipes.train --job.config_file X [--section.key=value ...]`,
-one process per GPU under torchrun (see run_train.sh).
+"""The training entry point, one process per GPU under torchrun (see run_train.sh):
+
+    python -m recipes.train --job.config_file X [--section.key=value ...]
 
 The loop is mode-agnostic: it draws micro-batches, counts the step's global target tokens, asks
 the backend of `parallelism.mode` for one optimizer step, logs and saves. Configuration errors

@@ -1,4 +1,4 @@
-"""Activation policy per block: keep on GPU, or recompute in backward.
+"""Activation policy per block: keep on GPU, recompute in backward, or recompute selectively.
 
 Keeping a block's activations normally pins its weights too (autograd saves them for the
 backward matmuls). `WeightRefs` breaks that tie: while a block runs forward, saved tensors that
@@ -6,14 +6,34 @@ live in a GPU parameter buffer are stored as (unit, offset, size, stride) refere
 in backward against whichever buffer holds that unit then. The weights can leave the window and
 be re-delivered; the kept activations stay. (Offload to host memory is the next policy to plug in
 here: it is another pack/unpack pair.)
+
+"selective" is full recompute except attention: the attention kernel's outputs are saved in
+forward (torch's selective activation checkpointing), so backward replays only the cheap
+projections, norms and MLP, not the attention itself.
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-POLICIES = ("keep", "recompute")
+POLICIES = ("keep", "recompute", "selective")
+
+_aten = torch.ops.aten
+_SAVED_OPS = {getattr(_aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(_aten, name)}
+
+
+def _save_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+save_attention_context = partial(create_selective_checkpoint_contexts, _save_attention)
+"""`context_fn` for torch.utils.checkpoint that keeps attention outputs."""
 
 
 @dataclass(frozen=True)

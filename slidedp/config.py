@@ -18,7 +18,8 @@ class SlideDPConfig:
     chunk_mib: float = 32.0
     """Chunk size in MiB for the cast/H2D and D2H/update pipelines inside a block."""
     activation: str = "recompute"
-    """Default activation policy per block: "keep" (on GPU) or "recompute" (full recompute)."""
+    """Default activation policy per block: "keep" (on GPU), "recompute" (full recompute) or
+    "selective" (recompute all but attention, whose outputs are kept)."""
     keep_blocks: int = 0
     """The first N blocks keep activations on GPU regardless of `activation` (seam for the
     per-block elastic policy)."""

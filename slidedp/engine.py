@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from models.args import QwenArgs
 from models.loss import chunked_cross_entropy_sum
 from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
 from recipes.backend import Batch, StepResult
-from slidedp.activations import WeightRefs, block_policies
+from slidedp.activations import WeightRefs, block_policies, save_attention_context
 from slidedp.delivery import Delivery
 from slidedp.host_state import HostStatePlan, SharedHostState, available_host_bytes, host_state_bytes
 from slidedp.layout import SHARD_ALIGN, StateLayout, Unit
@@ -297,7 +298,21 @@ class SlideDPBackend:
         return loss.detach()
 
     def _block_forward(self, unit: Unit, buffer: int, h: torch.Tensor, rope, saved: dict) -> torch.Tensor:
-        if self.policies[unit.index - 1] == "recompute":
+        policy = self.policies[unit.index - 1]
+        if policy == "selective":
+            # The replay in backward runs `run` again: it must read the weights from whichever
+            # buffer holds the unit then, while gradients still reach the forward's leaves.
+            def run(h_in: torch.Tensor) -> torch.Tensor:
+                leaves = self._leaves(unit, self._unit_buffer[unit.index], grad=True)
+                created.append(leaves)
+                return functional_call(self.block_template, leaves, (h_in, *rope))
+
+            created: list[dict[str, torch.Tensor]] = []
+            h_in = h.requires_grad_()
+            out = checkpoint(run, h_in, use_reentrant=False, context_fn=save_attention_context)
+            saved[unit.index] = (h_in, out, created[0])
+            return out.detach()
+        if policy == "recompute":
             with torch.no_grad():
                 out = functional_call(self.block_template, self._leaves(unit, buffer, grad=False),
                                       (h, *rope))

@@ -56,8 +56,8 @@ def fsdp2_rank(rank: int, world: int, overrides: dict) -> dict:
 
 def single_reference(overrides: dict) -> dict:
     """The same global batch in one process: local batch x WORLD."""
-    config = make_config({**overrides,
-                          "training.local_batch_size": overrides["training.local_batch_size"] * WORLD})
+    batch = overrides["training.local_batch_size"] * WORLD
+    config = make_config({**overrides, "training.local_batch_size": batch})
     backend = build_single_backend(config, ARGS, device=torch.device("cpu"))
     return train(backend, config, dp_rank=0, dp_world=1)
 

@@ -72,6 +72,7 @@ def test_two_ranks_every_datapath_with_accumulation_and_clipping(tmp_path):
         {"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK},
         {"delivery": "replicated", "reduction": "cpu", "chunk_mib": ODD_CHUNK},
         {"delivery": "replicated", "reduction": "gpu", "activation": "keep"},
+        {"delivery": "sharded", "reduction": "gpu", "activation": "selective", "window_slots": 2},
         {"delivery": "sharded", "reduction": "cpu", "keep_blocks": 2, "bf16_shadow": False,
          "window_slots": 2, "chunk_mib": ODD_CHUNK},
     ]
@@ -86,6 +87,8 @@ def test_two_ranks_every_datapath_with_accumulation_and_clipping(tmp_path):
     assert t[0]["traffic_d2h_mb"] * 2 == pytest.approx(t[1]["traffic_d2h_mb"])
     assert t[1]["traffic_host_reduce_mb"] == pytest.approx(t[1]["traffic_d2h_mb"])
     assert t[0]["traffic_all_gather_mb"] > 0 and t[1]["traffic_all_gather_mb"] == 0
+    # Fewer slots (2) cost re-deliveries in backward: more H2D than the 3-slot sharded run.
+    assert t[3]["traffic_h2d_mb"] > t[0]["traffic_h2d_mb"]
 
 
 def test_three_ranks_untied_qwen25(tmp_path):
@@ -107,6 +110,8 @@ def test_two_gpus_every_datapath(tmp_path):
                 for d in ("sharded", "replicated") for r in ("gpu", "cpu")]
     variants.append({"delivery": "sharded", "reduction": "gpu", "activation": "keep",
                      "bf16_shadow": False, "window_slots": 2})
+    variants.append({"delivery": "sharded", "reduction": "gpu", "activation": "selective",
+                     "keep_blocks": 1, "window_slots": 2})
     kw = dict(flavor="qwen3-debug", steps=3, accum=2, max_norm=0.5)
     results = run_workers(tmp_path, world=2, variants=variants, device="cuda", **kw)
     ref_losses, ref_weights = single_reference(world=2, device="cuda", **kw)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU-machine runs behind docs/PERFORMANCE.md, stage by stage:
 #   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
-# Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep fsdp2_14 slidedp14 (each appends to OUT_DIR/runs.jsonl).
+# Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2_14 slidedp14 (each appends to OUT_DIR/runs.jsonl).
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
@@ -26,8 +26,11 @@ for stage in "$@"; do
                --flavor qwen3-8B ;;
     slidedpkeep) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check \
                    --keep-blocks 6 --label keep6 --flavor qwen3-8B ;;
+    slidedpsac) run --mode slidedp --batches 16 --routes sharded/gpu,replicated/gpu --max-norm 0 \
+                  --no-memory-check --activation selective --keep-blocks 4 --label sel+keep4 --flavor qwen3-8B ;;
     fsdp2_14) run --mode fsdp2 --ac full --batches 8 --flavor qwen3-14B ;;
-    slidedp14) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check --flavor qwen3-14B ;;
+    slidedp14) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check \
+                 --activation selective --flavor qwen3-14B ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
