@@ -17,9 +17,8 @@ from models.flavors import get_flavor
 from recipes.parallelize import build_single_backend
 from slidedp.layout import SHARD_ALIGN, StateLayout
 from slidedp.schedule import plan_micro_batch
+from tests.conftest import REPO, run_torchrun, subprocess_env
 from tests.slidedp_worker import global_batches, make_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A chunk of 0.003 MiB is 1536 elements: it divides neither a block nor a shard.
 ODD_CHUNK = 0.003
@@ -27,14 +26,10 @@ ODD_CHUNK = 0.003
 
 def run_workers(tmp_path, *, world: int, variants: list[dict], flavor: str, steps: int,
                 accum: int, max_norm: float, device: str = "cpu") -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", os.path.join(REPO, "tests", "slidedp_worker.py"),
-           "--variants", json.dumps(variants), "--flavor", flavor, "--steps", str(steps),
-           "--accum", str(accum), "--max-norm", str(max_norm), "--out", str(tmp_path),
-           "--device", device]
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_torchrun([os.path.join(REPO, "tests", "slidedp_worker.py"),
+                  "--variants", json.dumps(variants), "--flavor", flavor, "--steps", str(steps),
+                  "--accum", str(accum), "--max-norm", str(max_norm), "--out", str(tmp_path),
+                  "--device", device], nproc=world)
     with open(tmp_path / "results.json") as f:
         results = json.load(f)
     for i, r in enumerate(results):
@@ -190,7 +185,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_shared_state_is_released_when_a_rank_is_killed():
     before = _shmem_bytes()
     proc = subprocess.Popen([sys.executable, "-c", KILLED_RANK], cwd=REPO, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO),
+                            env=subprocess_env(),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     touched = int(proc.stdout.readline())
     assert touched > 2**27

@@ -77,3 +77,15 @@ def test_two_fsdp2_ranks_follow_the_single_run(single_run, tmp_path):
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in single], rel=1e-3)
     assert [r["target_tokens"] for r in records] == [r["target_tokens"] for r in single]
     assert (tmp_path / "hf" / f"step-{STEPS}" / "model.safetensors").is_file()
+
+
+def test_two_slidedp_ranks_train_the_debug_model(single_run, tmp_path):
+    """`parallelism.mode = "slidedp"` through the CLI: same data, same loss curve within BF16
+    compute noise (the single run computes in FP32), and an HF checkpoint from the host state."""
+    _, single = single_run
+    records = run_train(tmp_path, "--parallelism.mode=slidedp", "--training.local_batch_size=4",
+                        ngpu=2)
+    assert [r["target_tokens"] for r in records] == [r["target_tokens"] for r in single]
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in single], rel=3e-2)
+    assert records[-1]["traffic_h2d_mb"] > 0 and records[-1]["traffic_reduce_scatter_mb"] > 0
+    assert (tmp_path / "hf" / f"step-{STEPS}" / "model.safetensors").is_file()

@@ -160,20 +160,25 @@ def report(paths: list[str]) -> str:
     """Markdown table; ratios against the compute-only reference at the same batch and seq
     (same checkpointing where both exist) and against the best FSDP2 throughput."""
     rows = [json.loads(line) for path in paths for line in open(path) if line.strip()]
-    refs = {(r["local_batch"], r["seq"], r["ac"]): r["tokens_per_s"] for r in rows if r["mode"] == "reference"}
-    best_fsdp2 = max((r["tokens_per_s"] for r in rows if r["mode"] == "fsdp2"), default=None)
-    lines = ["| system | route | activations | seq/GPU | tokens/s | TFLOP/s/GPU | MFU | peak GPU GiB (alloc/reserved) | host RSS GiB | vs reference | vs FSDP2 peak |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    refs = {(r["flavor"], r["local_batch"], r["seq"], r["ac"]): r["tokens_per_s"]
+            for r in rows if r["mode"] == "reference"}
+    best_fsdp2: dict[str, float] = {}
+    for r in rows:
+        if r["mode"] == "fsdp2":
+            best_fsdp2[r["flavor"]] = max(best_fsdp2.get(r["flavor"], 0.0), r["tokens_per_s"])
+    lines = ["| model | system | route | activations | seq/GPU | tokens/s | TFLOP/s/GPU | MFU | peak GPU GiB (alloc/reserved) | host RSS GiB | vs reference | vs FSDP2 peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ac = r["ac"] + (f"+keep{r['keep_blocks']}" if r.get("keep_blocks") else "")
         ref_ac = "full" if r["ac"] == "recompute" else ("none" if r["ac"] == "keep" else r["ac"])
-        ref = refs.get((r["local_batch"], r["seq"], ref_ac))
+        ref = refs.get((r["flavor"], r["local_batch"], r["seq"], ref_ac))
         vs_ref = f"{r['tokens_per_s'] / ref:.1%}" if ref else "–"
-        vs_fsdp = f"{r['tokens_per_s'] / best_fsdp2:.2f}x" if best_fsdp2 else "–"
+        peak = best_fsdp2.get(r["flavor"])
+        vs_fsdp = f"{r['tokens_per_s'] / peak:.3f}x" if peak else "–"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "–"
         mem = (f"{r['peak_mem_alloc_gib']:.1f}/{r['peak_mem_reserved_gib']:.1f}"
                if r.get("peak_mem_alloc_gib") is not None else "–")
-        lines.append(f"| {r['mode']}{' ' + r['label'] if r['label'] else ''} | {r['route']} | {ac} | "
+        lines.append(f"| {r['flavor']} | {r['mode']}{' ' + r['label'] if r['label'] else ''} | {r['route']} | {ac} | "
                      f"{r['local_batch']} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | "
                      f"{mem} | {r['peak_rss_gib']:.1f} | {vs_ref} | {vs_fsdp} |")
     return "\n".join(lines)
