@@ -1,0 +1,92 @@
+"""Every flavor: published architecture, parameter count, shapes; blocks are separable units."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.args import QwenArgs
+from models.flavors import FLAVORS, PUBLISHED_BILLIONS, get_flavor
+from models.loss import IGNORE_INDEX, chunked_cross_entropy_sum
+from models.qwen import QwenModel, TransformerBlock, rope_tables
+
+PUBLISHED = sorted(PUBLISHED_BILLIONS)
+
+
+def meta_model(args: QwenArgs) -> QwenModel:
+    with torch.device("meta"):
+        return QwenModel(args)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_count_matches_the_model_card(name):
+    args = get_flavor(name)
+    model = meta_model(args)
+    counted = sum(p.numel() for p in model.parameters())
+    assert counted == args.num_params()
+    # Model cards round to 2-3 digits ("1.7B" for 1.72B); Qwen2.5-32B's says 32.5B for 32.76B.
+    assert counted / 1e9 == pytest.approx(PUBLISHED_BILLIONS[name], rel=0.011, abs=0.03)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_family_features_and_shapes(name):
+    args = get_flavor(name)
+    model = meta_model(args)
+    attn = model.layers[0].self_attn
+    qwen3 = args.family == "qwen3"
+    assert (attn.q_norm is not None) == qwen3 and (attn.q_proj.bias is None) == qwen3
+    assert attn.q_proj.weight.shape == (args.n_heads * args.head_dim, args.dim)
+    assert attn.k_proj.weight.shape == (args.n_kv_heads * args.head_dim, args.dim)
+    assert model.layers[0].mlp.up_proj.weight.shape == (args.hidden_dim, args.dim)
+    assert len(model.layers) == args.n_layers
+    assert (model.lm_head is None) == args.tie_embeddings
+    assert model.head_weight().shape == (args.vocab_size, args.dim)
+
+
+def test_published_architectures_spot_checks():
+    q8, q72 = get_flavor("qwen3-8B"), get_flavor("qwen2.5-72B")
+    assert (q8.dim, q8.n_layers, q8.n_heads, q8.n_kv_heads, q8.hidden_dim) == (4096, 36, 32, 8, 12288)
+    assert (q72.dim, q72.n_layers, q72.n_heads, q72.n_kv_heads, q72.hidden_dim) == (8192, 80, 64, 8, 29568)
+    assert q72.vocab_size == 152064 and get_flavor("qwen3-0.6B").tie_embeddings
+    assert not get_flavor("qwen2.5-7B").tie_embeddings and get_flavor("qwen2.5-3B").tie_embeddings
+
+
+def test_unknown_flavor_names_the_choices():
+    with pytest.raises(ValueError, match="qwen3-8B"):
+        get_flavor("qwen3-9B")
+
+
+@pytest.mark.parametrize("name", ["qwen3-debug", "qwen2.5-debug"])
+def test_blocks_are_separable_units(name):
+    """Running the blocks one by one, each with only its own parameters and the RoPE tables,
+    reproduces the model's forward: what the streaming runtime relies on."""
+    args = get_flavor(name)
+    torch.manual_seed(0)
+    model = QwenModel(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 24))
+    cos, sin = rope_tables(args, 24, "cpu")
+    h = model.embed_tokens(tokens)
+    for block in model.layers:
+        assert not list(block.buffers())
+        standalone = TransformerBlock(args)
+        standalone.load_state_dict(block.state_dict())
+        h = standalone(h, cos, sin)
+    torch.testing.assert_close(model.norm(h), model(tokens))
+
+
+def test_chunked_loss_equals_full_cross_entropy_with_masks():
+    args = get_flavor("qwen2.5-debug")
+    torch.manual_seed(0)
+    model = QwenModel(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (3, 20))
+    labels = tokens.roll(-1, dims=1)
+    labels[:, :5] = IGNORE_INDEX
+    hidden = model(tokens)
+    logits = (hidden @ model.head_weight().T).reshape(-1, args.vocab_size)
+    full = F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    chunked = chunked_cross_entropy_sum(hidden, model.head_weight(), labels, chunk_tokens=7)
+    torch.testing.assert_close(chunked, full)
+    g_full = torch.autograd.grad(full, model.lm_head.weight, retain_graph=True)[0]
+    g_chunk = torch.autograd.grad(chunked, model.lm_head.weight)[0]
+    torch.testing.assert_close(g_chunk, g_full)
