@@ -220,11 +220,11 @@ class SlideDPBackend:
         flat[unit.numel:].zero_()
         ready = self.streams.record()
         self._pending.append(self._updater.submit(self._grad_job, unit, flat, ready, self._token,
-                                                  micro, n_micro, lr))
+                                                  micro, n_micro, lr, self.steps_done + 1))
 
     def _grad_job(self, unit: Unit, flat: torch.Tensor, ready, token: int, micro: int,
-                  n_micro: int, lr: float) -> None:
-        st, last, step = self.state, micro == n_micro - 1, self.steps_done + 1
+                  n_micro: int, lr: float, step: int) -> None:
+        st, last = self.state, micro == n_micro - 1
         update_now = last and self.max_norm <= 0
         # A single micro-batch through the GPU route: its norm is taken on the GPU. Otherwise
         # the gradient reaching Adam is FP32 on the host (accumulated or host-summed): dot it.
@@ -233,7 +233,10 @@ class SlideDPBackend:
             a, b = unit.host_offset + lo, unit.host_offset + hi
             if st.plan.grad_accum:
                 acc = st.grad_accum[a:b]
-                acc.copy_(g) if micro == 0 else acc.add_(g)
+                if micro == 0:
+                    acc.copy_(g)
+                else:
+                    acc.add_(g)
                 g = acc
             if last and not device_norm:
                 self._normsq += float(torch.dot(g, g))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU-machine runs behind docs/PERFORMANCE.md, stage by stage:
 #   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
-# Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2_14 slidedp14 (each appends to OUT_DIR/runs.jsonl).
+# Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2max slidedpcpu
+#         slidedpclip trace fsdp2_14 slidedp14 (each appends to OUT_DIR/runs.jsonl).
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
@@ -9,7 +10,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 export OMP_NUM_THREADS=$(( $(nproc) / ngpu ))
-run() { torchrun --standalone --nproc_per_node="$ngpu" -m recipes.bench.throughput --out "$out/runs.jsonl" "$@"; }
+bench=(torchrun --standalone --nproc_per_node="$ngpu" -m recipes.bench.throughput --out "$out/runs.jsonl")
+run() { "${bench[@]}" "$@"; }
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -28,6 +30,15 @@ for stage in "$@"; do
                    --keep-blocks 6 --label keep6 --flavor qwen3-8B ;;
     slidedpsac) run --mode slidedp --batches 16 --routes sharded/gpu,replicated/gpu --max-norm 0 \
                   --no-memory-check --activation selective --keep-blocks 4 --label sel+keep4 --flavor qwen3-8B ;;
+    fsdp2max) timeout 240 "${bench[@]}" --mode fsdp2 --ac full --batches 32 --flavor qwen3-8B \
+                || echo "fsdp2 at 32 sequences per GPU failed (out of memory?)" ;;
+    slidedpcpu) run --mode slidedp --batches 16,32 --routes sharded/cpu,replicated/cpu --max-norm 0 \
+                  --no-memory-check --flavor qwen3-8B ;;
+    slidedpclip) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 1.0 --no-memory-check \
+                   --label clip --flavor qwen3-8B ;;
+    trace) run --mode reference --ac full --batches 16 --steps 1 --trace-dir "$out" --label trace --flavor qwen3-8B
+           run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check --steps 1 \
+             --trace-dir "$out" --label trace --flavor qwen3-8B ;;
     fsdp2_14) run --mode fsdp2 --ac full --batches 8 --flavor qwen3-14B ;;
     slidedp14) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check \
                  --activation selective --flavor qwen3-14B ;;

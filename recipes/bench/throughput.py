@@ -14,6 +14,7 @@ Each point: `--warmup` steps, then the median of `--steps` timed steps (device s
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ from models.loss import chunked_cross_entropy_sum
 from models.qwen import QwenModel
 from recipes.config import JobConfig
 from recipes.metrics import memory, throughput
+from recipes.bench.timeline import breakdown
 from recipes.parallelize import apply_activation_checkpointing, build_backend
 
 
@@ -57,6 +59,13 @@ class _Reference:
         for p in self.model.parameters():
             p.grad = None
         return {}
+
+
+def _profiler() -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
 
 
 def _config(a: argparse.Namespace, route: str) -> JobConfig:
@@ -92,6 +101,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--label", default="")
+    p.add_argument("--trace-dir", default="",
+                   help="profile the last timed step of each point on rank 0: Chrome trace + "
+                        "per-stream busy times (recipes/bench/timeline.py) in the row")
     p.add_argument("--out", default="throughput.jsonl")
     p.add_argument("--report", nargs="*", help="print the markdown table of these JSONL files")
     a = p.parse_args()
@@ -122,19 +134,29 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
-            times, extras = [], []
-            for i in range(a.warmup + a.steps):
+            times, extras, traced = [], [], {}
+            n_timed = a.warmup + a.steps
+            # The traced step (rank 0 profiles) comes after the timed ones: its overhead stays out.
+            for i in range(n_timed + (1 if a.trace_dir else 0)):
                 data = _synthetic(batch, a.seq, args.vocab_size, device=device, seed=i * world + rank)
+                profiling = i == n_timed and rank == 0
+                prof = _profiler() if profiling else contextlib.nullcontext()
                 start = time.perf_counter()
-                if a.mode == "reference":
-                    extra = runner.step(data)
-                else:
-                    extra = backend.train_step([data], lr=1e-5,
-                                               global_target_tokens=batch * a.seq * world).extra
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                if i >= a.warmup:
-                    times.append(time.perf_counter() - start)
+                with prof:
+                    if a.mode == "reference":
+                        extra = runner.step(data)
+                    else:
+                        extra = backend.train_step([data], lr=1e-5,
+                                                   global_target_tokens=batch * a.seq * world).extra
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                elapsed = time.perf_counter() - start
+                if profiling:
+                    path = os.path.join(a.trace_dir, f"{a.mode}_{route.replace('/', '-')}_b{batch}.json")
+                    prof.export_chrome_trace(path)
+                    traced = {"traced_step_s": elapsed, **breakdown(path, step_time_s=elapsed)}
+                elif a.warmup <= i < n_timed:
+                    times.append(elapsed)
                     extras.append(extra)
             step_time = statistics.median(times)
             row = {"mode": a.mode, "label": a.label, "flavor": a.flavor, "route": route,
@@ -145,7 +167,8 @@ def main() -> None:
                                 flops_per_token=args.flops_per_token(a.seq), world=world,
                                 on_cuda=device.type == "cuda"),
                    **memory(device),
-                   **{k: statistics.mean(e[k] for e in extras) for k in (extras[0] if extras else {})}}
+                   **{k: statistics.mean(e[k] for e in extras) for k in (extras[0] if extras else {})},
+                   **traced}
             if rank == 0:
                 print("[bench]", json.dumps(row), flush=True)
                 with open(a.out, "a") as f:
