@@ -162,6 +162,10 @@ _BOUNDS: dict[str, tuple[Any, str]] = {
     "lr_scheduler.warmup_steps": (lambda v: v >= 0, ">= 0"),
     "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "checkpoint.interval": (lambda v: v >= 0, ">= 0"),
+    "slidedp.window_slots": (lambda v: v >= 2, ">= 2"),
+    "slidedp.chunk_mib": (lambda v: v > 0, "> 0"),
+    "slidedp.keep_blocks": (lambda v: v >= 0, ">= 0"),
+    "slidedp.cpu_threads": (lambda v: v >= 0, ">= 0"),
     "metrics.log_freq": (lambda v: v >= 1, ">= 1"),
 }
 
