@@ -35,6 +35,16 @@ class TrainBackend(Protocol):
         it (it may communicate); only rank 0 is guaranteed to receive full tensors."""
         ...
 
+    def save_state(self, path: str) -> None:
+        """Write the exact FP32 weights, optimizer state and step count into the existing
+        directory `path`. Every rank calls it and writes its own part."""
+        ...
+
+    def load_state(self, path: str) -> int:
+        """Restore what save_state wrote (same mode and world size); returns the step reached.
+        Every rank calls it; the next train_step continues as if never interrupted."""
+        ...
+
     def close(self) -> None:
         """Release memory, shared mappings and threads."""
         ...

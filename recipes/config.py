@@ -14,6 +14,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from models.args import QwenArgs
 from models.flavors import FLAVORS
+from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
 from slidedp.activations import POLICIES
 from slidedp.config import SlideDPConfig
 
@@ -115,6 +116,8 @@ class Checkpoint:
     """Hugging Face-format saves go to <save_dir>/step-<N>; empty: no saving."""
     interval: int = 0
     """Save every this many steps as well; 0: only at the end."""
+    resume_from: str = ""
+    """Continue exactly from a step-N directory with train_state/, or "latest" under save_dir."""
 
 
 @dataclass
@@ -285,6 +288,24 @@ def _check_paths(config: JobConfig) -> None:
     elif training.dataset_path:
         raise ConfigError('training.dataset_path is set but training.dataset = "synthetic"; '
                           'set training.dataset = "files" to train on it')
+    if config.checkpoint.resume_from:
+        resolve_resume_dir(config.checkpoint)
+
+
+def resolve_resume_dir(checkpoint: Checkpoint) -> Path:
+    """The step directory that checkpoint.resume_from names ("latest": the newest complete save
+    under checkpoint.save_dir)."""
+    key, value = "checkpoint.resume_from", checkpoint.resume_from
+    if value != "latest":
+        _require_path(key, value, kind="directory", must_contain=f"{TRAIN_STATE}/{META_FILE}")
+        return Path(value)
+    if not checkpoint.save_dir:
+        raise ConfigError(f'{key} = "latest" needs checkpoint.save_dir')
+    found = latest_checkpoint(checkpoint.save_dir)
+    if found is None:
+        raise ConfigError(f"{key}: no complete checkpoint (step-N/{TRAIN_STATE}/{META_FILE}) "
+                          f"under {checkpoint.save_dir}")
+    return found
 
 
 def _check_combinations(config: JobConfig) -> None:

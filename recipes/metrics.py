@@ -60,7 +60,8 @@ class MetricsLogger:
     where `enabled` (rank 0), so other ranks can call it unconditionally."""
 
     def __init__(self, dump_folder: str, *, enabled: bool, log_freq: int, last_step: int,
-                 jsonl: bool, tensorboard: bool) -> None:
+                 jsonl: bool, tensorboard: bool, append: bool = False) -> None:
+        """`append`: continue an existing metrics.jsonl (a resumed run) instead of starting it."""
         self.enabled, self.log_freq, self.last_step = enabled, log_freq, last_step
         self.jsonl_file = self.writer = None
         if not enabled:
@@ -68,7 +69,7 @@ class MetricsLogger:
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
         if jsonl:
-            self.jsonl_file = open(folder / "metrics.jsonl", "w")
+            self.jsonl_file = open(folder / "metrics.jsonl", "a" if append else "w")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # tensorboard loads only when used
 

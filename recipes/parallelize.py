@@ -6,8 +6,9 @@ token-loss sum divided by the step's global target-token count, and FSDP2's grad
 is a plain sum, so the gradient is exactly the single-process gradient of the global batch.
 """
 
+import warnings
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,15 @@ def clip_grad_norm(parameters: list[nn.Parameter], *, max_norm: float, sharded: 
     return norm.item()
 
 
+@contextmanager
+def _single_process_dcp_allowed() -> Iterator[None]:
+    """torch.distributed.checkpoint warns at every call made without a process group, which
+    mode single does on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 class EagerBackend:
     """A model resident in device memory trained with torch AdamW; `sharded`: its parameters are
     FSDP2 DTensors and every rank holds a shard of the same model."""
@@ -69,6 +79,7 @@ class EagerBackend:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
             weight_decay=opt.weight_decay, fused=True if device.type == "cuda" else None)
+        self.steps_done = 0
 
     def _forward_context(self):
         if self.autocast:
@@ -94,11 +105,38 @@ class EagerBackend:
         self.optimizer.zero_grad(set_to_none=True)
         if self.sharded:
             dist.all_reduce(loss_sum)
+        self.steps_done += 1
         return StepResult(loss_sum=loss_sum.item(), grad_norm=grad_norm)
 
     def named_master_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
             yield name, param.detach().full_tensor() if self.sharded else param.detach()
+
+    def _checkpoint_state(self) -> dict:
+        """Model and optimizer state by parameter name (DTensor shards under FSDP2), the form
+        torch.distributed.checkpoint saves, reshards and loads in place."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state, "steps_done": self.steps_done}
+
+    def save_state(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        with _single_process_dcp_allowed():
+            dcp.save(self._checkpoint_state(), checkpoint_id=path)
+
+    def load_state(self, path: str) -> int:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._checkpoint_state()  # fresh optimizer state is created to be loaded into
+        with _single_process_dcp_allowed():
+            dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.steps_done = state["steps_done"]
+        return self.steps_done
 
     def close(self) -> None:
         del self.optimizer, self.params, self.model

@@ -3,18 +3,19 @@
     python -m recipes.train --job.config_file X [--section.key=value ...]
 
 The loop is mode-agnostic: it draws micro-batches, counts the step's global target tokens, asks
-the backend of `parallelism.mode` for one optimizer step, logs and saves. Configuration errors
-are reported as one line (`error: ...`, exit code 2) before any work starts.
+the backend of `parallelism.mode` for one optimizer step, logs and saves. A run resumed from a
+save (checkpoint.resume_from, see recipes/checkpoint.py) continues exactly where it stopped.
+Configuration errors are reported as one line (`error: ...`, exit code 2) before any work starts.
 """
 
-import itertools
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,10 @@ from models.args import QwenArgs
 from models.flavors import PUBLISHED_BILLIONS
 from models.loss import IGNORE_INDEX
 from recipes.backend import Batch, StepResult, TrainBackend
-from recipes.config import ConfigError, JobConfig, parse_config, resolve_model
+from recipes.checkpoint import (FORMAT_VERSION, TRAIN_STATE, read_meta, save_train_state,
+                                step_dir)
+from recipes.config import (ConfigError, JobConfig, parse_config, resolve_model,
+                            resolve_resume_dir)
 from recipes.lr_schedule import LRSchedule
 from recipes.metrics import MetricsLogger, memory, throughput
 from recipes.parallelize import build_backend
@@ -31,30 +35,60 @@ from recipes.parallelize import build_backend
 logger = logging.getLogger("recipes")
 
 
-def synthetic_batches(*, vocab_size: int, seq_len: int, local_batch_size: int, dp_rank: int,
-                      dp_world: int, seed: int) -> Iterator[Batch]:
+class SyntheticBatches:
     """Uniform random tokens, every position a target. Global sample g comes from its own
     generator seeded by (seed, g), and rank r takes samples r, r + W, ... of each global
-    micro-batch (as PackedDataLoader does), so any world size sees the same global batches."""
-    generator = torch.Generator()
-    global_batch = local_batch_size * dp_world
-    for first in itertools.count(0, global_batch):
+    micro-batch (as PackedDataLoader does), so any world size sees the same global batches.
+    The position is the number of micro-batches drawn, the same on every rank."""
+
+    def __init__(self, *, vocab_size: int, seq_len: int, local_batch_size: int, dp_rank: int,
+                 dp_world: int, seed: int) -> None:
+        self.vocab_size, self.seq_len, self.local_batch_size = vocab_size, seq_len, local_batch_size
+        self.dp_rank, self.dp_world, self.seed = dp_rank, dp_world, seed
+        self.drawn = 0
+
+    def _batch(self, index: int) -> Batch:
+        generator = torch.Generator()
+        first = index * self.local_batch_size * self.dp_world
         rows = []
-        for i in range(local_batch_size):
-            generator.manual_seed((seed << 32) + first + i * dp_world + dp_rank)
-            rows.append(torch.randint(vocab_size, (seq_len + 1,), generator=generator))
+        for i in range(self.local_batch_size):
+            generator.manual_seed((self.seed << 32) + first + i * self.dp_world + self.dp_rank)
+            rows.append(torch.randint(self.vocab_size, (self.seq_len + 1,), generator=generator))
         tokens = torch.stack(rows)
-        yield tokens[:, :-1], tokens[:, 1:]
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            batch = self._batch(self.drawn)
+            self.drawn += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"micro_batches": self.drawn}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.drawn = sd["micro_batches"]
+
+
+class BatchSource(Protocol):
+    """This rank's infinite stream of micro-batches, resumable at step boundaries (its state is
+    the same on every rank): SyntheticBatches or recipes.data.PackedDataLoader."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, sd: dict) -> None: ...
 
 
 def build_batches(config: JobConfig, args: QwenArgs, *, dp_rank: int,
-                  dp_world: int) -> Iterator[Batch]:
+                  dp_world: int) -> BatchSource:
     """This rank's infinite stream of (input_ids, labels) micro-batches."""
     training = config.training
     shape = dict(seq_len=training.seq_len, local_batch_size=training.local_batch_size,
                  dp_rank=dp_rank, dp_world=dp_world, seed=training.seed)
     if training.dataset == "synthetic":
-        return synthetic_batches(vocab_size=args.vocab_size, **shape)
+        return SyntheticBatches(vocab_size=args.vocab_size, **shape)
     from recipes.data import PackedDataLoader, load_tokenizer  # tokenizers/pyarrow only for files
 
     tokenizer_dir = config.model.tokenizer_dir or config.model.hf_dir
@@ -62,7 +96,7 @@ def build_batches(config: JobConfig, args: QwenArgs, *, dp_rank: int,
     if tokenizer.get_vocab_size() > args.vocab_size:
         raise ConfigError(f"model.tokenizer_dir: {tokenizer_dir} has {tokenizer.get_vocab_size()} "
                           f"tokens, more than the model's vocab_size {args.vocab_size}")
-    return iter(PackedDataLoader(training.dataset_path, tokenizer, eos_id=eos_id, **shape))
+    return PackedDataLoader(training.dataset_path, tokenizer, eos_id=eos_id, **shape)
 
 
 def build_lr_schedule(config: JobConfig) -> LRSchedule:
@@ -97,10 +131,13 @@ class StepOutcome:
         return self.result.loss_sum / max(self.target_tokens, 1)
 
 
-def train_steps(backend: TrainBackend, batches: Iterator[Batch], schedule: LRSchedule, *,
-                steps: int, grad_accum_steps: int, device: torch.device) -> Iterator[StepOutcome]:
-    """The loop proper: per step, draw the micro-batches, count the global targets, step."""
-    for step in range(1, steps + 1):
+def train_steps(backend: TrainBackend, batches: Iterable[Batch], schedule: LRSchedule, *,
+                steps: int, grad_accum_steps: int, device: torch.device,
+                start_step: int = 0) -> Iterator[StepOutcome]:
+    """The loop proper: per step after `start_step` (the step a resumed run reached), draw the
+    micro-batches, count the global targets, step."""
+    batches = iter(batches)
+    for step in range(start_step + 1, steps + 1):
         start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(grad_accum_steps)]
         target_tokens = _global_target_tokens(micro_batches, device=device)
@@ -110,10 +147,10 @@ def train_steps(backend: TrainBackend, batches: Iterator[Batch], schedule: LRSch
                           step_time=time.perf_counter() - start)
 
 
-def save_checkpoint(backend: TrainBackend, config: JobConfig, args: QwenArgs, *, step: int,
-                    rank: int) -> None:
-    """HF-format save to <save_dir>/step-<step>. Every rank walks the parameters (gathering may
-    communicate); rank 0 writes."""
+def _save_hf_weights(backend: TrainBackend, config: JobConfig, args: QwenArgs, out: Path, *,
+                     rank: int) -> None:
+    """HF-format save to `out`. Every rank walks the parameters (gathering may communicate);
+    rank 0 writes."""
     tensors = backend.named_master_parameters()
     if rank != 0:
         for _ in tensors:
@@ -122,11 +159,49 @@ def save_checkpoint(backend: TrainBackend, config: JobConfig, args: QwenArgs, *,
     from models.hf_checkpoint import load_config_json, save_hf_checkpoint
 
     hf_dir = config.model.hf_dir
-    out = Path(config.checkpoint.save_dir) / f"step-{step}"
     save_hf_checkpoint(tensors, args, out,
                        copy_tokenizer_from=config.model.tokenizer_dir or hf_dir or None,
                        source_config=load_config_json(hf_dir) if hf_dir else None)
     logger.info("saved Hugging Face checkpoint to %s", out)
+
+
+def save_checkpoint(backend: TrainBackend, config: JobConfig, args: QwenArgs, *, step: int,
+                    rank: int, run_meta: dict[str, Any], data: BatchSource) -> None:
+    """<save_dir>/step-<step>: the Hugging Face weights, then the exact train state in its
+    train_state/ (last: the HF save replaces the whole directory)."""
+    out = step_dir(config.checkpoint.save_dir, step)
+    _save_hf_weights(backend, config, args, out, rank=rank)
+    save_train_state(backend, out, {"step": step, **run_meta, "data": data.state_dict()},
+                     rank=rank)
+
+
+def _run_meta(config: JobConfig, name: str, args: QwenArgs, *, world: int) -> dict[str, Any]:
+    """What a resumed run must share with the saved one."""
+    return {"mode": config.parallelism.mode, "world_size": world, "flavor": name,
+            "num_params": args.num_params(), "seed": config.training.seed}
+
+
+def check_resumable(directory: Path, *, run_meta: dict[str, Any]) -> None:
+    """The saved run has this run's shape: before anything is built, one line if not."""
+    meta = read_meta(directory)
+    for key, value in {"format_version": FORMAT_VERSION, **run_meta}.items():
+        if meta.get(key) != value:
+            raise ConfigError(f"checkpoint.resume_from: {directory} was saved with {key} = "
+                              f"{meta.get(key)!r}, this run has {value!r}; resume with the same")
+
+
+def load_checkpoint(backend: TrainBackend, data: BatchSource, directory: Path) -> int:
+    """Restore the backend and the data position saved in `directory`; returns its step."""
+    meta = read_meta(directory)
+    step = backend.load_state(str(directory / TRAIN_STATE))
+    if step != meta["step"]:
+        raise ValueError(f"{directory}: the backend state is at step {step}, meta.json says "
+                         f"{meta['step']}")
+    try:
+        data.load_state_dict(meta["data"])
+    except ValueError as e:  # the data files or seq_len changed
+        raise ConfigError(f"checkpoint.resume_from: {directory}: {e}") from None
+    return step
 
 
 def _describe_model(name: str, args: QwenArgs) -> str:
@@ -184,17 +259,27 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
                 step_tokens, training.local_batch_size, training.seq_len,
                 training.grad_accum_steps, world)
     torch.manual_seed(training.seed)
+    run_meta = _run_meta(config, name, args, world=world)
+    resume_dir = resolve_resume_dir(config.checkpoint) if config.checkpoint.resume_from else None
+    if resume_dir is not None:
+        check_resumable(resume_dir, run_meta=run_meta)
     backend = build_backend(config, args, device=device, dp_rank=rank, dp_world=world)
     schedule = build_lr_schedule(config)
     metrics = MetricsLogger(config.job.dump_folder, enabled=rank == 0,
                             log_freq=config.metrics.log_freq, last_step=training.steps,
                             jsonl=config.metrics.jsonl,
-                            tensorboard=config.metrics.enable_tensorboard)
+                            tensorboard=config.metrics.enable_tensorboard,
+                            append=resume_dir is not None)
     flops_per_token = args.flops_per_token(training.seq_len)
     interval, save_dir = config.checkpoint.interval, config.checkpoint.save_dir
     try:
+        start_step = 0
+        if resume_dir is not None:
+            start_step = load_checkpoint(backend, batches, resume_dir)
+            logger.info("resumed from %s at step %d", resume_dir, start_step)
         for out in train_steps(backend, batches, schedule, steps=training.steps,
-                               grad_accum_steps=training.grad_accum_steps, device=device):
+                               grad_accum_steps=training.grad_accum_steps, device=device,
+                               start_step=start_step):
             metrics.log(out.step, {
                 "loss": out.loss, "lr": out.lr, "grad_norm": out.result.grad_norm,
                 "target_tokens": out.target_tokens,
@@ -203,7 +288,8 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
                              on_cuda=device.type == "cuda"),
                 **memory(device), "step_time_s": out.step_time, **out.result.extra})
             if save_dir and (out.step == training.steps or (interval and out.step % interval == 0)):
-                save_checkpoint(backend, config, args, step=out.step, rank=rank)
+                save_checkpoint(backend, config, args, step=out.step, rank=rank,
+                                run_meta=run_meta, data=batches)
     finally:
         metrics.close()
         backend.close()

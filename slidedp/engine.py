@@ -30,6 +30,7 @@ from slidedp.delivery import Delivery
 from slidedp.host_state import HostStatePlan, SharedHostState, available_host_bytes, host_state_bytes
 from slidedp.layout import SHARD_ALIGN, StateLayout, Unit
 from slidedp.schedule import Use, plan_micro_batch
+from slidedp.state_file import load_shards, save_shards
 from slidedp.streams import Streams
 from slidedp.traffic import Traffic
 from slidedp.update import AdamHyper, GradientReturn, HostOptimizer
@@ -378,6 +379,27 @@ class SlideDPBackend:
         self._barrier()  # every rank's shard of the last update is in place
         for name in self.layout.by_name:
             yield name, self._master_view(name)
+
+    def save_state(self, path: str) -> None:
+        """This rank's shards of the FP32 master and Adam moments (slidedp/state_file.py)."""
+        self._drain()  # this rank's last update is in its shards
+        save_shards(self.state, path, steps_done=self.steps_done)
+
+    @torch.no_grad()
+    def load_state(self, path: str) -> int:
+        """Load this rank's shards, rebuild their BF16 shadow and open the version gates of the
+        next step's deliveries; returns the step reached."""
+        self._drain()
+        steps = load_shards(self.state, path)
+        for unit in self.layout.units:
+            if self.state.plan.bf16_shadow:
+                lo, hi = unit.shard(self.rank, self.world)
+                self.state.unit_view("shadow", unit.index, lo, hi).copy_(
+                    self.state.unit_view("master", unit.index, lo, hi))
+            self.state.version[unit.index, self.rank] = steps
+        self.steps_done = steps
+        self._barrier()  # every rank's shards are in place before any delivery reads them
+        return steps
 
     def close(self) -> None:
         try:

@@ -22,12 +22,12 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "target_tokens", "tokens_per_s
                "peak_rss_gib", "step_time_s"}
 
 
-def run_train(out, *flags: str, ngpu: int = 1) -> list[dict]:
+def run_train(out, *flags: str, ngpu: int = 1, steps: int = STEPS) -> list[dict]:
     """./run_train.sh with the debug config into `out`; returns metrics.jsonl's records."""
     env = dict(os.environ, NGPU=str(ngpu))
     env.pop("OMP_NUM_THREADS", None)  # let run_train.sh split the cores between ranks
     proc = subprocess.run(
-        ["./run_train.sh", f"--training.steps={STEPS}", f"--job.dump_folder={out}",
+        ["./run_train.sh", f"--training.steps={steps}", f"--job.dump_folder={out}",
          f"--checkpoint.save_dir={out}/hf", "--metrics.log_freq=20", *flags],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

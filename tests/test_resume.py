@@ -1,0 +1,169 @@
+"""Resumable training through ./run_train.sh: a run of STEPS steps saves at the half; a second run
+resumed from that save reproduces the uninterrupted run's remaining losses and gradient norms
+bit for bit, and ends with identical weights and optimizer state, in every mode. Exact, not
+approximate: both runs execute the same operations in the same order on the same data (same
+thread counts, same reduction order), so nothing can round differently."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from models.flavors import get_flavor
+from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
+from slidedp.host_state import HostStatePlan, SharedHostState
+from slidedp.layout import StateLayout
+from slidedp.state_file import load_shards
+from recipes.train import SyntheticBatches
+from tests.test_config import parse_error, run_cli
+from tests.test_train_cli import run_train
+
+STEPS, HALF = 6, 3
+# The debug config's global batch of 8 samples, on one or two ranks.
+MODES = {"single": (1, []),
+         "fsdp2": (2, ["--parallelism.mode=fsdp2", "--training.local_batch_size=4"]),
+         "slidedp": (2, ["--parallelism.mode=slidedp", "--training.local_batch_size=4"])}
+
+
+def train(out: Path, mode: str, *flags: str) -> list[dict]:
+    ngpu, mode_flags = MODES[mode]
+    return run_train(out, f"--checkpoint.interval={HALF}", *mode_flags, *flags, ngpu=ngpu,
+                     steps=STEPS)
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items()
+                for k, v in _flatten(value, f"{prefix}{key}.").items()}
+    if isinstance(obj, list):
+        return _flatten(dict(enumerate(obj)), prefix)
+    return {prefix: obj}
+
+
+def train_state(step_dir: Path, scratch: Path) -> dict[str, Any]:
+    """Every saved FP32 tensor and counter of a step's train_state, by name."""
+    state = step_dir / TRAIN_STATE
+    shards = sorted(state.glob("slidedp-rank*.safetensors"))
+    if shards:
+        return {f"{p.name}/{k}": t for p in shards for k, t in load_file(p).items()}
+    dcp_to_torch_save(state, scratch / "state.pt")
+    return _flatten(torch.load(scratch / "state.pt", weights_only=False))
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        same = torch.equal(value, b[key]) if isinstance(value, torch.Tensor) else value == b[key]
+        assert same, key
+
+
+def assert_resumed_exactly(full: list[dict], resumed: list[dict]) -> None:
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm", "lr", "target_tokens"):
+        assert [r[key] for r in resumed] == [r[key] for r in full], key
+
+
+def keep_first_half_of_metrics(src: Path, dst: Path) -> None:
+    """metrics.jsonl as a crash right after the half's save leaves it."""
+    lines = (src / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (dst / "metrics.jsonl").write_text("".join(lines[:HALF]))
+
+
+def cut_last_save_short(out: Path) -> None:
+    """What a crash during the last save leaves: HF weights written, train_state half."""
+    last = out / "hf" / f"step-{STEPS}"
+    (last / TRAIN_STATE).rename(last / f"{TRAIN_STATE}.tmp")
+    (last / f"{TRAIN_STATE}.tmp" / META_FILE).unlink()
+
+
+@pytest.fixture(scope="module")
+def slidedp_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("slidedp")
+    return out, train(out, "slidedp")
+
+
+def test_single_resumes_latest_after_a_crash(tmp_path):
+    out = tmp_path / "run"
+    full = train(out, "single")
+    expected = train_state(out / "hf" / f"step-{STEPS}", tmp_path)
+    keep_first_half_of_metrics(out, out)
+    cut_last_save_short(out)
+    assert latest_checkpoint(str(out / "hf")) == out / "hf" / f"step-{HALF}"
+    resumed = train(out, "single", "--checkpoint.resume_from=latest")
+    assert_resumed_exactly(full, resumed)  # metrics.jsonl was appended to
+    assert_same_state(train_state(out / "hf" / f"step-{STEPS}", tmp_path), expected)
+
+
+@pytest.mark.parametrize("mode", ["fsdp2", "slidedp"])
+def test_two_ranks_resume_exactly(mode, slidedp_run, tmp_path):
+    if mode == "slidedp":
+        first, full = slidedp_run
+    else:
+        first, full = tmp_path / "first", train(tmp_path / "first", mode)
+    second = tmp_path / "second"
+    second.mkdir()
+    keep_first_half_of_metrics(first, second)
+    resumed = train(second, mode, f"--checkpoint.resume_from={first}/hf/step-{HALF}")
+    assert_resumed_exactly(full, resumed)
+    final = f"hf/step-{STEPS}"
+    assert_same_state(train_state(second / final, tmp_path), train_state(first / final, tmp_path))
+    assert_same_state(load_file(second / final / "model.safetensors"),
+                      load_file(first / final / "model.safetensors"))
+
+
+def test_slidedp_world_size_mismatch_is_one_line(slidedp_run):
+    out, _ = slidedp_run
+    proc = run_cli("--job.config_file", "train_configs/debug_cpu.toml",
+                   "--parallelism.mode=slidedp", f"--checkpoint.resume_from={out}/hf/step-{HALF}")
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint.resume_from:") and "world_size = 2" in last, last
+
+
+def test_slidedp_state_refuses_another_world_size(slidedp_run):
+    """The backend's own check, for callers that skip the trainer's meta.json check."""
+    out, _ = slidedp_run
+    layout = StateLayout(get_flavor("qwen3-debug"), world=1)
+    plan = HostStatePlan(bf16_shadow=True, grad_accum=False, cpu_staging=False)
+    state = SharedHostState(layout, plan, rank=0, world=1, share=lambda s: s,
+                            barrier=lambda: None, pin=False)
+    try:
+        with pytest.raises(ValueError, match=r"world size \[2\], this run has 1 ranks"):
+            load_shards(state, str(out / "hf" / f"step-{HALF}" / TRAIN_STATE))
+    finally:
+        state.close()
+
+
+def test_meta_records_the_run(slidedp_run):
+    out, _ = slidedp_run
+    meta = json.loads((out / "hf" / f"step-{HALF}" / TRAIN_STATE / META_FILE).read_text())
+    assert meta["step"] == HALF and meta["world_size"] == 2 and meta["mode"] == "slidedp"
+    assert meta["flavor"] == "qwen3-debug" and meta["num_params"] == 205_504
+    assert meta["data"]["sample"] == HALF * 8  # 8 samples per global step, all ranks
+
+
+def test_resume_from_errors(tmp_path):
+    assert "checkpoint.resume_from: directory not found" in parse_error(
+        [f"--checkpoint.resume_from={tmp_path}/nope"])
+    assert f"has no {TRAIN_STATE}/{META_FILE}" in parse_error(
+        [f"--checkpoint.resume_from={tmp_path}"])
+    assert "needs checkpoint.save_dir" in parse_error(["--checkpoint.resume_from=latest"])
+    (tmp_path / "step-8" / f"{TRAIN_STATE}.tmp").mkdir(parents=True)  # a save cut short
+    assert "no complete checkpoint" in parse_error(
+        ["--checkpoint.resume_from=latest", f"--checkpoint.save_dir={tmp_path}"])
+
+
+def test_synthetic_batches_resume_at_their_position():
+    shape = dict(vocab_size=512, seq_len=16, local_batch_size=2, dp_rank=1, dp_world=2, seed=3)
+    source = SyntheticBatches(**shape)
+    batches = iter(source)
+    drawn = [next(batches) for _ in range(5)]
+    resumed = SyntheticBatches(**shape)
+    resumed.load_state_dict({"micro_batches": 3})
+    for (x, y), (rx, ry) in zip(drawn[3:], resumed):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+    assert source.state_dict() == {"micro_batches": 5}
