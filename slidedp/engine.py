@@ -337,7 +337,6 @@ class SlideDPBackend:
         n_micro = len(micro_batches)
         rope = rope_tables(self.args, micro_batches[0][0].shape[1], self.device)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        t0 = time.perf_counter()
         for micro, (tokens, labels) in enumerate(micro_batches):
             self._token += 1
             uses, self._resident = plan_micro_batch(
@@ -348,10 +347,11 @@ class SlideDPBackend:
                                       labels.to(self.device, non_blocking=True), rope,
                                       global_tokens=global_target_tokens, micro=micro,
                                       n_micro=n_micro, lr=lr)
+        # The update tail: from the moment the GPUs finish this step's compute to the moment the
+        # last gradient of the step has been returned and applied (what backward did not hide).
+        Streams.synchronize(self.streams.record())
         t_compute = time.perf_counter()
-        for fut in self._pending:
-            fut.result()
-        self._pending.clear()
+        self._drain()
         t_drained = time.perf_counter()
         self._normsq += self.grad_return.take_device_normsq()
         totals = torch.tensor([self._normsq, float(loss)], dtype=torch.float64)
@@ -364,7 +364,7 @@ class SlideDPBackend:
             coef = min(1.0, self.max_norm / (grad_norm + 1e-6))
             self._pending.append(self._updater.submit(self._apply_job, coef, lr, self.steps_done))
         extra = self.traffic.as_metrics()
-        extra.update(exposed_update_s=t_drained - t_compute)
+        extra.update(update_tail_s=t_drained - t_compute)
         return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, extra=extra)
 
     # ---- outside the step ---------------------------------------------------------------------
