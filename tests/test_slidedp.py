@@ -194,3 +194,30 @@ def test_shared_state_is_released_when_a_rank_is_killed():
     proc.stdin.flush()
     assert proc.wait(timeout=60) == -9
     assert _shmem_bytes() - before < touched // 4  # ... and go with the killed process
+
+
+@pytest.mark.parametrize("flavor", ["qwen3-debug", "qwen2.5-debug"])
+def test_host_state_starts_from_a_hugging_face_checkpoint(tmp_path, flavor):
+    """model.hf_dir streams the checkpoint into the shared FP32 master (and BF16 shadow)."""
+    from models.hf_checkpoint import save_hf_checkpoint
+    from models.qwen import QwenModel
+    from slidedp.engine import SlideDPBackend
+
+    args = get_flavor(flavor)
+    torch.manual_seed(123)
+    model = QwenModel(args)
+    model.init_weights()
+    save_hf_checkpoint(model.named_parameters(), args, tmp_path / "hf", dtype=torch.float32,
+                       max_shard_bytes=2**17)
+    cfg = make_config({}, accum=1, max_norm=0.0)
+    cfg.model.hf_dir = str(tmp_path / "hf")
+    backend = SlideDPBackend(cfg, args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    try:
+        loaded = dict(backend.named_master_parameters())
+        assert set(loaded) == {n for n, _ in model.named_parameters()}
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(loaded[name], p.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(backend.state.shadow[:backend.layout.total],
+                                   backend.state.master.to(torch.bfloat16), rtol=0, atol=0)
+    finally:
+        backend.close()
