@@ -2,7 +2,7 @@
 # The GPU-machine runs behind docs/PERFORMANCE.md, stage by stage:
 #   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
 # Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2max slidedpcpu
-#         slidedpclip trace fsdp2_14 slidedp14 (each appends to OUT_DIR/runs.jsonl).
+#         slidedpclip ncclctas trace fsdp2_14 slidedp14 (each appends to OUT_DIR/runs.jsonl).
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
@@ -36,6 +36,9 @@ for stage in "$@"; do
                   --no-memory-check --flavor qwen3-8B ;;
     slidedpclip) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 1.0 --no-memory-check \
                    --label clip --flavor qwen3-8B ;;
+    ncclctas) # A/B of the proportional overhead: fewer SMs for the collectives that overlap compute.
+              NCCL_MAX_CTAS=4 run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 \
+                --no-memory-check --label nccl-max-ctas-4 --flavor qwen3-8B ;;
     trace) run --mode reference --ac full --batches 16 --steps 1 --trace-dir "$out" --label trace --flavor qwen3-8B
            run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check --steps 1 \
              --trace-dir "$out" --label trace --flavor qwen3-8B ;;
