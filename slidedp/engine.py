@@ -269,6 +269,8 @@ class SlideDPBackend:
         units = self.layout.units
         saved: dict[int, tuple] = {}
         grad_kw = dict(micro=micro, n_micro=n_micro, lr=lr)
+        # Set by the uses in their fixed order: embed fwd (h0, emb), head (loss, grad_h), ...
+        h = h0 = emb = grad_h = loss = None
         for use in uses:
             self._wait_buffer(use)
             unit = units[use.unit]

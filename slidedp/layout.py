@@ -67,21 +67,20 @@ class StateLayout:
         self.args, self.world = args, world
         with torch.device("meta"):
             model = QwenModel(args)
-        groups: list[tuple[str, str, list[tuple[str, str, torch.Size]]]] = []
-        groups.append(("embed", "", [("embed_tokens.weight", "weight",
-                                      model.embed_tokens.weight.shape)]))
+        groups: list[tuple[str, list[tuple[str, str, torch.Size]]]] = []
+        groups.append(("embed", [("embed_tokens.weight", "weight", model.embed_tokens.weight.shape)]))
         for i, block in enumerate(model.layers):
-            groups.append(("block", f"layers.{i}.",
-                           [(f"layers.{i}.{n}", n, p.shape) for n, p in block.named_parameters()]))
+            groups.append(("block", [(f"layers.{i}.{n}", n, p.shape)
+                                     for n, p in block.named_parameters()]))
         head = [("norm.weight", "norm.weight", model.norm.weight.shape)]
         if model.lm_head is not None:
             head.append(("lm_head.weight", "lm_head.weight", model.lm_head.weight.shape))
-        groups.append(("head", "", head))
+        groups.append(("head", head))
 
         quantum = world * SHARD_ALIGN
         self.units: list[Unit] = []
         host_offset = 0
-        for index, (kind, _, params) in enumerate(groups):
+        for index, (kind, params) in enumerate(groups):
             slots, off = [], 0
             for name, local, shape in params:
                 slots.append(ParamSlot(name=name, local_name=local, shape=shape, offset=off))

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from models.args import QwenArgs
-from models.flavors import FLAVORS, PUBLISHED_BILLIONS, get_flavor
+from models.flavors import PUBLISHED_BILLIONS, get_flavor
 from models.loss import IGNORE_INDEX, chunked_cross_entropy_sum
 from models.qwen import QwenModel, TransformerBlock, rope_tables
 
