@@ -1,5 +1,6 @@
 """The benchmark helpers: per-stream GPU breakdown of a trace, and the markdown report."""
 
+import gzip
 import json
 
 import pytest
@@ -8,23 +9,31 @@ from recipes.bench.throughput import report
 from recipes.bench.timeline import breakdown
 
 
-def test_breakdown_sums_streams_by_kind(tmp_path):
-    def ev(cat, name, stream, dur_us):
-        return {"ph": "X", "cat": cat, "name": name, "dur": dur_us, "args": {"stream": stream}}
+def test_breakdown_attributes_compute_gaps(tmp_path):
+    def ev(cat, name, stream, start_s, end_s):
+        return {"ph": "X", "cat": cat, "name": name, "ts": start_s * 1e6, "dur": (end_s - start_s) * 1e6,
+                "args": {"stream": stream}}
 
-    events = [ev("kernel", "sm90_gemm", 7, 500_000), ev("kernel", "flash_fwd", 7, 300_000),
-              ev("kernel", "ncclDevKernel_AllGather", 20, 40_000),
-              ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 21, 60_000),
-              ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 22, 30_000),
-              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9_000_000, "tid": 1}]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    b = breakdown(str(path), step_time_s=1.0)
+    # Compute stream 7 waits 0.5-0.7 s: first behind an H2D copy, then NCCL, then a D2H copy, then
+    # nothing (the host); the step's 0.1 s outside the GPU span is the host's too.
+    events = [ev("kernel", "sm90_gemm", 7, 0.0, 0.5), ev("kernel", "flash_fwd", 7, 0.7, 1.0),
+              ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 21, 0.45, 0.56),
+              ev("kernel", "ncclDevKernel_AllGather", 20, 0.55, 0.62),
+              ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 22, 0.60, 0.65),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9_000_000, "tid": 1}]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    b = breakdown(str(path), step_time_s=1.1)
     assert b["gpu_compute_s"] == pytest.approx(0.8)
-    assert b["gpu_nccl_s"] == pytest.approx(0.04)
-    assert b["gpu_h2d_s"] == pytest.approx(0.06) and b["gpu_d2h_s"] == pytest.approx(0.03)
+    assert b["gpu_nccl_s"] == pytest.approx(0.07)
+    assert b["gpu_h2d_s"] == pytest.approx(0.11) and b["gpu_d2h_s"] == pytest.approx(0.05)
     assert b["compute_stream_busy_s"] == pytest.approx(0.8)
-    assert b["compute_stream_idle_s"] == pytest.approx(0.2)
+    assert b["compute_stream_idle_s"] == pytest.approx(0.3)
+    assert b["exposed_h2d_s"] == pytest.approx(0.06)
+    assert b["exposed_nccl_s"] == pytest.approx(0.06)
+    assert b["exposed_d2h_s"] == pytest.approx(0.03)
+    assert b["exposed_host_s"] == pytest.approx(0.15)
 
 
 def test_report_ratios_per_model(tmp_path):

@@ -96,6 +96,8 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=3)
     p.add_argument("--chunk-mib", type=float, default=32.0)
     p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--accum", type=int, default=1,
+                   help="slidedp/fsdp2: split each local batch into this many accumulated micro-batches")
     p.add_argument("--no-memory-check", action="store_true",
                    help="slidedp: skip the MemAvailable check (VMs whose memory grows on demand)")
     p.add_argument("--warmup", type=int, default=1)
@@ -146,13 +148,14 @@ def main() -> None:
                     if a.mode == "reference":
                         extra = runner.step(data)
                     else:
-                        extra = backend.train_step([data], lr=1e-5,
+                        micro = list(zip(*(t.chunk(a.accum) for t in data)))
+                        extra = backend.train_step(micro, lr=1e-5,
                                                    global_target_tokens=batch * a.seq * world).extra
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                 elapsed = time.perf_counter() - start
                 if profiling:
-                    path = os.path.join(a.trace_dir, f"{a.mode}_{route.replace('/', '-')}_b{batch}.json")
+                    path = os.path.join(a.trace_dir, f"{a.mode}_{route.replace('/', '-')}_b{batch}.json.gz")
                     prof.export_chrome_trace(path)
                     traced = {"traced_step_s": elapsed, **breakdown(path, step_time_s=elapsed)}
                 elif a.warmup <= i < n_timed:
@@ -162,7 +165,8 @@ def main() -> None:
             row = {"mode": a.mode, "label": a.label, "flavor": a.flavor, "route": route,
                    "ac": a.ac if a.mode != "slidedp" else a.activation,
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
-                   "world": world, "seq": a.seq, "local_batch": batch, "step_time_s": step_time,
+                   "world": world, "seq": a.seq, "local_batch": batch, "accum": a.accum,
+                   "max_norm": a.max_norm, "step_time_s": step_time,
                    **throughput(global_tokens=batch * a.seq * world, step_time=step_time,
                                 flops_per_token=args.flops_per_token(a.seq), world=world,
                                 on_cuda=device.type == "cuda"),
