@@ -23,6 +23,7 @@
 #include <mutex>
 #include <thread>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -367,6 +368,49 @@ int slidedp_cpu_adam_update(int isa, float* param, const void* grad, int grad_is
   };
   g_pool->run(static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), num_blocks)), job);
   return 0;
+}
+
+// acc = (assign ? 0 : acc) + src, src BF16 or FP32; returns the sum of squares of the result when
+// want_sumsq (else 0). One pass over memory: the host-side gradient sum (cpu route), gradient
+// accumulation and the clipping norm share it. Partial sums are kept per block and added in block
+// order, so the result does not depend on the thread count or on scheduling.
+double slidedp_grad_accumulate(float* acc, const void* src, int src_is_bf16, int64_t n, int assign,
+                               int want_sumsq, int num_threads) {
+  constexpr int kLanes = 16;  // independent float accumulators: vectorizable without reassociation
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> partial(want_sumsq ? num_blocks : 0);
+  std::atomic<int64_t> next{0};
+  auto job = [&](int) {
+    for (int64_t b = next.fetch_add(1); b < num_blocks; b = next.fetch_add(1)) {
+      const int64_t lo = b * kBlock;
+      const int64_t len = std::min(kBlock, n - lo);
+      float* a = acc + lo;
+      if (src_is_bf16) {
+        const uint16_t* g = static_cast<const uint16_t*>(src) + lo;
+        for (int64_t i = 0; i < len; ++i) {
+          const float x = __builtin_bit_cast(float, static_cast<uint32_t>(g[i]) << 16);
+          a[i] = assign ? x : a[i] + x;
+        }
+      } else {
+        const float* g = static_cast<const float*>(src) + lo;
+        for (int64_t i = 0; i < len; ++i) a[i] = assign ? g[i] : a[i] + g[i];
+      }
+      if (!want_sumsq) continue;
+      float lanes[kLanes] = {};
+      int64_t i = 0;
+      for (; i + kLanes <= len; i += kLanes) {
+        for (int k = 0; k < kLanes; ++k) lanes[k] += a[i + k] * a[i + k];
+      }
+      double sum = 0.0;
+      for (; i < len; ++i) sum += static_cast<double>(a[i]) * a[i];
+      for (int k = 0; k < kLanes; ++k) sum += lanes[k];
+      partial[b] = sum;
+    }
+  };
+  g_pool->run(static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), std::max<int64_t>(num_blocks, 1))), job);
+  double total = 0.0;
+  for (double x : partial) total += x;
+  return total;
 }
 
 }  // extern "C"

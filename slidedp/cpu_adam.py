@@ -98,6 +98,11 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int, ctypes.c_double, ctypes.c_int,  # adamw, grad_scale, num_threads
     ]
     lib.slidedp_cpu_adam_update.restype = ctypes.c_int
+    lib.slidedp_grad_accumulate.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,  # acc, src, src_is_bf16, n
+        ctypes.c_int, ctypes.c_int, ctypes.c_int,  # assign, want_sumsq, num_threads
+    ]
+    lib.slidedp_grad_accumulate.restype = ctypes.c_double
     return lib
 
 
@@ -132,11 +137,11 @@ def default_num_threads() -> int:
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def _check(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
+def _check(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], numel: int, *, fn: str = "adam_update") -> None:
     if (t.device.type != "cpu" or t.dtype not in dtypes or t.dim() != 1 or not t.is_contiguous()
             or t.numel() != numel):
         want = " or ".join(str(d) for d in dtypes)
-        raise ValueError(f"adam_update: {name} must be a 1-D contiguous CPU {want} tensor of {numel} "
+        raise ValueError(f"{fn}: {name} must be a 1-D contiguous CPU {want} tensor of {numel} "
                          f"elements; got shape {tuple(t.shape)}, stride {t.stride()}, {t.dtype} on {t.device}")
 
 
@@ -175,6 +180,22 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
         n, step, lr, beta1, beta2, eps, weight_decay, int(adamw), grad_scale, threads)
     if rc != 0:
         raise RuntimeError(f"adam_update: the kernel refused ISA {isa!r} (code {rc})")
+
+
+def grad_accumulate(acc: Tensor, src: Tensor, *, assign: bool, want_sumsq: bool,
+                    num_threads: int | None = None) -> float:
+    """acc = src (assign) or acc + src, in one multi-threaded pass that also returns the sum of
+    squares of the result when `want_sumsq` (else 0.0). acc: 1-D contiguous float32 CPU tensor;
+    src: bf16 or float32, same length. The sum does not depend on the thread count."""
+    n = acc.numel()
+    _check("acc", acc, (torch.float32,), n, fn="grad_accumulate")
+    _check("src", src, (torch.bfloat16, torch.float32), n, fn="grad_accumulate")
+    if active_isa() == TORCH_ISA:
+        acc.copy_(src) if assign else acc.add_(src)
+        return float(torch.dot(acc, acc)) if want_sumsq else 0.0
+    threads = default_num_threads() if num_threads is None else num_threads
+    return _library().slidedp_grad_accumulate(acc.data_ptr(), src.data_ptr(), int(src.dtype == torch.bfloat16),
+                                              n, int(assign), int(want_sumsq), threads)
 
 
 def _torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,

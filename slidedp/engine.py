@@ -7,11 +7,16 @@ Three threads per rank:
   update                gradient reduce + return -> host accumulation -> CPU AdamW on the rank's
                         shard, chunk by chunk, overlapped with backward of earlier blocks.
 Handshakes are futures carrying CUDA events, so waits happen on the device wherever possible.
+Each step reports its bytes moved and where the threads' time went (`host_*_s`: version-gate
+waits, delivery issue, gradient return + update, clipped updates, the compute thread's waits for
+deliveries) next to `update_tail_s`, the update time backward did not hide.
 """
 
+import contextlib
 import math
 import os
 import time
+from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
@@ -25,6 +30,7 @@ from models.args import QwenArgs
 from models.loss import chunked_cross_entropy_sum
 from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
 from recipes.backend import Batch, StepResult
+from slidedp import cpu_adam
 from slidedp.activations import WeightRefs, block_policies, save_attention_context
 from slidedp.delivery import Delivery
 from slidedp.host_state import HostStatePlan, SharedHostState, available_host_bytes, host_state_bytes
@@ -78,13 +84,13 @@ class SlideDPBackend:
         self.chunk = max(SHARD_ALIGN, int(cfg.chunk_mib * 2**20 / 2) // SHARD_ALIGN * SHARD_ALIGN)
         self.streams = Streams(device)
         self.traffic = Traffic()
-        self.set_routes(delivery=cfg.delivery, reduction=cfg.reduction)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
         threads = cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // local_world)
         self.optimizer = HostOptimizer(self.state, AdamHyper(beta1=opt.beta1, beta2=opt.beta2,
                                                              eps=opt.eps,
                                                              weight_decay=opt.weight_decay),
                                        threads=threads)
+        self.set_routes(delivery=cfg.delivery, reduction=cfg.reduction)
 
         bf16 = dict(dtype=torch.bfloat16, device=device)
         self.buffers = [torch.empty(self.layout.block_padded, **bf16) for _ in range(cfg.window_slots)]
@@ -104,6 +110,7 @@ class SlideDPBackend:
         self._resident: dict[int, int] = {}
         self._pending: list[Future] = []
         self._normsq = 0.0
+        self._host_times: defaultdict[str, float] = defaultdict(float)
         self._token = 0
         self.steps_done = 0
 
@@ -124,7 +131,8 @@ class SlideDPBackend:
                                           rank=self.rank, world=self.world,
                                           group=self._reduce_group, chunk_elems=self.chunk,
                                           traffic=self.traffic,
-                                          max_unit=max(u.padded for u in self.layout.units))
+                                          max_unit=max(u.padded for u in self.layout.units),
+                                          threads=self.optimizer.threads)
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -200,8 +208,10 @@ class SlideDPBackend:
         if after is not None:
             self.streams.wait(after.result(), self.delivery.stream)
         unit = self.layout.units[use.unit]
-        self.delivery.wait_version(unit, version)
-        return self.delivery.deliver(unit, self.buffers[use.buffer])
+        with self._timed("gate_wait_s"):
+            self.delivery.wait_version(unit, version)
+        with self._timed("deliver_host_s"):
+            return self.delivery.deliver(unit, self.buffers[use.buffer])
 
     def _submit_deliveries(self, uses: list[Use]) -> None:
         for use in uses:
@@ -227,22 +237,22 @@ class SlideDPBackend:
                   n_micro: int, lr: float, step: int) -> None:
         st, last = self.state, micro == n_micro - 1
         update_now = last and self.max_norm <= 0
-        # A single micro-batch through the GPU route: its norm is taken on the GPU. Otherwise
-        # the gradient reaching Adam is FP32 on the host (accumulated or host-summed): dot it.
-        device_norm = not st.plan.grad_accum and self.grad_return.route == "gpu"
-        for lo, hi, g in self.grad_return.chunks(unit, flat, ready, token, device_norm=device_norm):
-            a, b = unit.host_offset + lo, unit.host_offset + hi
-            if st.plan.grad_accum:
-                acc = st.grad_accum[a:b]
-                if micro == 0:
-                    acc.copy_(g)
-                else:
-                    acc.add_(g)
-                g = acc
-            if last and not device_norm:
-                self._normsq += float(torch.dot(g, g))
-            if update_now:
-                self.optimizer.update(a, b, g, step=step, lr=lr)
+        # One micro-batch: the route's gradient is the step's, so the route takes its norm (on
+        # the GPU, or inside the host sum). Accumulated: the last accumulation pass takes it.
+        route_norm = n_micro == 1
+        with self._timed("grad_job_s"):
+            for lo, hi, g in self.grad_return.chunks(unit, flat, ready, token, norm=route_norm):
+                a, b = unit.host_offset + lo, unit.host_offset + hi
+                if st.plan.grad_accum:
+                    acc = st.grad_accum[a:b]
+                    with self._timed("accumulate_s"):
+                        self._normsq += cpu_adam.grad_accumulate(
+                            acc, g, assign=micro == 0, want_sumsq=last and not route_norm,
+                            num_threads=self.optimizer.threads)
+                    g = acc
+                if update_now:
+                    with self._timed("update_s"):
+                        self.optimizer.update(a, b, g, step=step, lr=lr)
         if update_now:
             st.version[unit.index, self.rank] = step
 
@@ -251,21 +261,32 @@ class SlideDPBackend:
         deliveries (gated per unit) start as soon as their unit is done."""
         for unit in self.layout.units:
             lo, hi = unit.shard(self.rank, self.world)
-            for start in range(lo, hi, self.chunk):
-                a, b = unit.host_offset + start, unit.host_offset + min(start + self.chunk, hi)
-                self.optimizer.update(a, b, self.state.grad_accum[a:b], step=step, lr=lr,
-                                      grad_scale=coef)
+            with self._timed("clipped_update_s"):
+                for start in range(lo, hi, self.chunk):
+                    a, b = unit.host_offset + start, unit.host_offset + min(start + self.chunk, hi)
+                    self.optimizer.update(a, b, self.state.grad_accum[a:b], step=step, lr=lr,
+                                          grad_scale=coef)
             self.state.version[unit.index, self.rank] = step
+
+    @contextlib.contextmanager
+    def _timed(self, key: str) -> Iterator[None]:
+        """Adds the block's wall time to this step's `host_<key>` (each key has one thread)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._host_times[key] += time.perf_counter() - start
 
     def _wait_buffer(self, use: Use) -> None:
         if use.delivered is not None:
-            self.streams.wait(use.delivered.result())
+            with self._timed("delivery_wait_s"):
+                done = use.delivered.result()
+            self.streams.wait(done)
         self._unit_buffer[use.unit] = use.buffer
 
     def _micro_batch(self, uses: list[Use], tokens: torch.Tensor, labels: torch.Tensor,
                      rope: tuple[torch.Tensor, torch.Tensor], *, global_tokens: int, micro: int,
                      n_micro: int, lr: float) -> torch.Tensor:
-        cos, sin = rope
         units = self.layout.units
         saved: dict[int, tuple] = {}
         grad_kw = dict(micro=micro, n_micro=n_micro, lr=lr)
@@ -293,13 +314,7 @@ class SlideDPBackend:
             elif use.phase == "fwd":
                 h = self._block_forward(unit, use.buffer, h, rope, saved)
             else:
-                if self.policies[unit.index - 1] == "recompute":
-                    (h_in,) = saved.pop(unit.index)
-                    h_in.requires_grad_()
-                    leaves = self._leaves(unit, use.buffer, grad=True)
-                    out = functional_call(self.block_template, leaves, (h_in, cos, sin))
-                else:
-                    h_in, out, leaves = saved.pop(unit.index)
+                h_in, out, leaves = saved.pop(unit.index)
                 torch.autograd.backward(out, grad_h)
                 grad_h = h_in.grad
                 self._submit_grad(unit, leaves, **grad_kw)
@@ -308,9 +323,11 @@ class SlideDPBackend:
 
     def _block_forward(self, unit: Unit, buffer: int, h: torch.Tensor, rope, saved: dict) -> torch.Tensor:
         policy = self.policies[unit.index - 1]
-        if policy == "selective":
-            # The replay in backward runs `run` again: it must read the weights from whichever
-            # buffer holds the unit then, while gradients still reach the forward's leaves.
+        if policy in ("selective", "recompute"):
+            # torch's non-reentrant checkpoint: its replay stops once the last tensor backward
+            # needs is rebuilt, so the block's final projection is not recomputed. The replay
+            # reads the weights from whichever buffer holds the unit then, while gradients
+            # still reach the forward's leaves.
             def run(h_in: torch.Tensor) -> torch.Tensor:
                 leaves = self._leaves(unit, self._unit_buffer[unit.index], grad=True)
                 created.append(leaves)
@@ -318,15 +335,10 @@ class SlideDPBackend:
 
             created: list[dict[str, torch.Tensor]] = []
             h_in = h.requires_grad_()
-            out = checkpoint(run, h_in, use_reentrant=False, context_fn=save_attention_context)
+            context = {"context_fn": save_attention_context} if policy == "selective" else {}
+            out = checkpoint(run, h_in, use_reentrant=False, **context)
             saved[unit.index] = (h_in, out, created[0])
             return out.detach()
-        if policy == "recompute":
-            with torch.no_grad():
-                out = functional_call(self.block_template, self._leaves(unit, buffer, grad=False),
-                                      (h, *rope))
-            saved[unit.index] = (h,)
-            return out
         h_in = h.requires_grad_()
         leaves = self._leaves(unit, buffer, grad=True)
         with self.weight_refs.during_forward_of(unit.index):
@@ -336,6 +348,7 @@ class SlideDPBackend:
 
     def train_step(self, micro_batches: list[Batch], *, lr: float, global_target_tokens: int) -> StepResult:
         self.traffic.reset()
+        self._host_times = defaultdict(float)
         n_micro = len(micro_batches)
         rope = rope_tables(self.args, micro_batches[0][0].shape[1], self.device)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -355,7 +368,7 @@ class SlideDPBackend:
         t_compute = time.perf_counter()
         self._drain()
         t_drained = time.perf_counter()
-        self._normsq += self.grad_return.take_device_normsq()
+        self._normsq += self.grad_return.take_normsq()
         totals = torch.tensor([self._normsq, float(loss)], dtype=torch.float64)
         self._normsq = 0.0
         if self.world > 1:
@@ -366,7 +379,8 @@ class SlideDPBackend:
             coef = min(1.0, self.max_norm / (grad_norm + 1e-6))
             self._pending.append(self._updater.submit(self._apply_job, coef, lr, self.steps_done))
         extra = self.traffic.as_metrics()
-        extra.update(update_tail_s=t_drained - t_compute)
+        extra.update(update_tail_s=t_drained - t_compute,
+                     **{f"host_{key}": seconds for key, seconds in self._host_times.items()})
         return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, extra=extra)
 
     # ---- outside the step ---------------------------------------------------------------------

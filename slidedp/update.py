@@ -41,14 +41,15 @@ class GradientReturn:
 
     def __init__(self, state: SharedHostState, streams: Streams, *, route: str, rank: int,
                  world: int, group: dist.ProcessGroup | None, chunk_elems: int, traffic: Traffic,
-                 max_unit: int):
+                 max_unit: int, threads: int):
         if route not in ("gpu", "cpu"):
             raise ValueError(f"slidedp.reduction must be 'gpu' or 'cpu', got {route!r}")
         self.state, self.streams, self.route = state, streams, route
         self.rank, self.world, self.group = rank, world, group
-        self.chunk, self.traffic = chunk_elems, traffic
+        self.chunk, self.traffic, self.threads = chunk_elems, traffic, threads
         self.stream = streams.new_stream()
         self._normsq: torch.Tensor | None = None
+        self._host_normsq = 0.0
         if route == "gpu":
             self.recv = torch.empty(max_unit // world, dtype=torch.bfloat16,
                                     pin_memory=streams.is_cuda)
@@ -57,20 +58,20 @@ class GradientReturn:
             self.recv = None
             self.sum_buf = torch.empty(chunk_elems, dtype=torch.float32)
 
-    def take_device_normsq(self) -> float:
-        """Squared norm of the reduced shards returned with `device_norm=True` since the last
-        call (summed on the GPU, where it costs nothing; on the host it would be a pass over
-        the gradient as slow as the update itself)."""
-        if self._normsq is None:
-            return 0.0
-        Streams.synchronize(self.streams.record(self.stream))
-        value, self._normsq = float(self._normsq), None
+    def take_normsq(self) -> float:
+        """Squared norm of the shards returned with `norm=True` since the last call: summed on
+        the GPU by the gpu route, where it costs nothing, and inside the host sum's single pass
+        by the cpu route."""
+        value, self._host_normsq = self._host_normsq, 0.0
+        if self._normsq is not None:
+            Streams.synchronize(self.streams.record(self.stream))
+            value, self._normsq = value + float(self._normsq), None
         return value
 
     def chunks(self, unit: Unit, flat_grad: torch.Tensor, ready: torch.cuda.Event | None,
-               token: int, *, device_norm: bool):
-        """The summed gradient of this rank's shard, chunk by chunk. With `device_norm` (GPU
-        route only) its squared norm is accumulated on the device as well."""
+               token: int, *, norm: bool):
+        """The summed gradient of this rank's shard, chunk by chunk. With `norm` its squared
+        norm is accumulated as well (see `take_normsq`)."""
         lo, hi = unit.shard(self.rank, self.world)
         with self.streams.use(self.stream):
             self.streams.wait(ready, self.stream)
@@ -78,19 +79,18 @@ class GradientReturn:
             if self.streams.is_cuda:
                 flat_grad.record_stream(self.stream)
             if self.route == "gpu":
-                yield from self._gpu_route(unit, flat_grad, lo, hi, device_norm=device_norm)
+                yield from self._gpu_route(unit, flat_grad, lo, hi, norm=norm)
             else:
-                yield from self._cpu_route(unit, flat_grad, lo, hi, token)
+                yield from self._cpu_route(unit, flat_grad, lo, hi, token, norm=norm)
 
-    def _gpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, *,
-                   device_norm: bool):
+    def _gpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, *, norm: bool):
         shard = torch.empty(hi - lo, dtype=flat_grad.dtype, device=flat_grad.device)
         if self.world > 1:
             dist.reduce_scatter_tensor(shard, flat_grad, group=self.group)
             self.traffic.reduce_scatter += (unit.padded - (hi - lo)) * 2
         else:
             shard.copy_(flat_grad)
-        if device_norm:
+        if norm:
             sq = torch.linalg.vector_norm(shard, dtype=torch.float32).square()
             self._normsq = sq if self._normsq is None else self._normsq + sq
         events = []
@@ -103,7 +103,8 @@ class GradientReturn:
             Streams.synchronize(ev)
             yield lo + start, lo + end, self.recv[start:end]
 
-    def _cpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, token: int):
+    def _cpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, token: int, *,
+                   norm: bool):
         st = self.state
         # Buffer release: every owner must have consumed our previous return of this unit.
         SharedHostState.wait_counter(st.consumed[unit.index], token - 1,
@@ -122,9 +123,10 @@ class GradientReturn:
         for start in range(lo, hi, self.chunk):
             end = min(start + self.chunk, hi)
             acc = self.sum_buf[:end - start]
-            acc.copy_(st.staging_view(0, unit.index, start, end))
-            for owner in range(1, self.world):
-                acc.add_(st.staging_view(owner, unit.index, start, end))
+            for owner in range(self.world):
+                self._host_normsq += cpu_adam.grad_accumulate(
+                    acc, st.staging_view(owner, unit.index, start, end), assign=owner == 0,
+                    want_sumsq=norm and owner == self.world - 1, num_threads=self.threads)
             self.traffic.host_reduce += (end - start) * 2 * self.world
             yield start, end, acc
         st.consumed[unit.index, self.rank] = token

@@ -66,7 +66,7 @@ def main() -> None:
     for i, variant in enumerate(json.loads(a.variants)):
         cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm)
         backend = SlideDPBackend(cfg, args, device=device, dp_rank=rank, dp_world=world)
-        losses, norms, traffic = [], [], []
+        losses, norms, counters = [], [], []
         for micro in data:
             ntok = sum(int((y != -100).sum()) for _, y in micro)
             mine = [(x[rank * a.batch:(rank + 1) * a.batch], y[rank * a.batch:(rank + 1) * a.batch])
@@ -74,13 +74,13 @@ def main() -> None:
             r = backend.train_step(mine, lr=1e-3, global_target_tokens=ntok)
             losses.append(r.loss_sum / ntok)
             norms.append(r.grad_norm)
-            traffic.append({k: v for k, v in r.extra.items() if k.startswith("traffic_")})
+            counters.append({k: v for k, v in r.extra.items() if k.startswith(("traffic_", "host_"))})
         weights = {n: t.clone() for n, t in backend.named_master_parameters()}
         backend.close()
         if rank == 0:
             torch.save(weights, os.path.join(a.out, f"weights_{i}.pt"))
             results.append({"variant": variant, "losses": losses, "grad_norms": norms,
-                            "traffic": traffic})
+                            "counters": counters})
     if rank == 0:
         with open(os.path.join(a.out, "results.json"), "w") as f:
             json.dump(results, f)

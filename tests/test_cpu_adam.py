@@ -205,6 +205,29 @@ def test_validation():
             cpu_adam.adam_update(**args)
 
 
+@pytest.mark.parametrize("isa", ["native", cpu_adam.TORCH_ISA])
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+def test_grad_accumulate_and_sumsq(monkeypatch, isa, src_dtype):
+    if isa != "native":
+        monkeypatch.setenv(cpu_adam.ISA_ENV, isa)
+    gen = torch.Generator().manual_seed(3)
+    n = 3 * (1 << 15) + 77  # several work blocks and a ragged end
+    srcs = [torch.randn(n, generator=gen).to(src_dtype) for _ in range(3)]
+    acc = torch.full((n,), 7.0)
+    assert cpu_adam.grad_accumulate(acc, srcs[0], assign=True, want_sumsq=False, num_threads=3) == 0.0
+    torch.testing.assert_close(acc, srcs[0].float(), rtol=0, atol=0)
+    outs = [acc.clone() for _ in range(3)]
+    sums = [cpu_adam.grad_accumulate(out, srcs[1], assign=False, want_sumsq=True, num_threads=t)
+            for out, t in zip(outs, (1, 2, 5))]
+    want = acc + srcs[1].float()
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert sums[0] == pytest.approx(float((want.double() ** 2).sum()), rel=1e-5)
+    assert len(set(sums)) == 1  # independent of the thread count
+    with pytest.raises(ValueError, match="grad_accumulate: src"):
+        cpu_adam.grad_accumulate(acc, srcs[2][:-1], assign=False, want_sumsq=False)
+
+
 def test_isa_env_var(monkeypatch):
     monkeypatch.setenv(cpu_adam.ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="expected one of"):

@@ -77,13 +77,29 @@ def test_two_ranks_every_datapath_with_accumulation_and_clipping(tmp_path):
     assert_matches_reference(results, ref_losses, ref_weights)
     # Traffic per rank (paper's table): sharded delivery halves H2D at R=2; CPU-side reduction
     # returns the full gradient (2x the GPU-reduced shard) and sums R copies on the host.
-    t = [r["traffic"][0] for r in results]
+    t = [r["counters"][0] for r in results]
     assert t[0]["traffic_h2d_mb"] * 2 == pytest.approx(t[1]["traffic_h2d_mb"])
     assert t[0]["traffic_d2h_mb"] * 2 == pytest.approx(t[1]["traffic_d2h_mb"])
     assert t[1]["traffic_host_reduce_mb"] == pytest.approx(t[1]["traffic_d2h_mb"])
     assert t[0]["traffic_all_gather_mb"] > 0 and t[1]["traffic_all_gather_mb"] == 0
     # Fewer slots (2) cost re-deliveries in backward: more H2D than the 3-slot sharded run.
     assert t[3]["traffic_h2d_mb"] > t[0]["traffic_h2d_mb"]
+
+
+def test_two_ranks_clipping_without_accumulation(tmp_path):
+    # One micro-batch with clipping: the route takes the norm (on the GPU, or inside the host
+    # sum) and the gradients wait on the host for the clipped update of the next step.
+    variants = [{"delivery": "sharded", "reduction": "gpu"},
+                {"delivery": "replicated", "reduction": "cpu", "chunk_mib": ODD_CHUNK}]
+    kw = dict(flavor="qwen3-debug", steps=3, accum=1, max_norm=0.05)
+    results = run_workers(tmp_path, world=2, variants=variants, **kw)
+    ref_losses, ref_weights = single_reference(world=2, **kw)
+    assert_matches_reference(results, ref_losses, ref_weights)
+    assert all(n > kw["max_norm"] for r in results for n in r["grad_norms"])  # it did clip
+    for r in results:
+        later = r["counters"][-1]  # the step after a clipped one runs that step's updates
+        assert later["host_grad_job_s"] > 0 and later["host_accumulate_s"] > 0
+        assert later["host_clipped_update_s"] > 0 and "host_update_s" not in later
 
 
 def test_three_ranks_untied_qwen25(tmp_path):
@@ -93,7 +109,7 @@ def test_three_ranks_untied_qwen25(tmp_path):
     results = run_workers(tmp_path, world=3, variants=variants, **kw)
     ref_losses, ref_weights = single_reference(world=3, **kw)
     assert_matches_reference(results, ref_losses, ref_weights)
-    sharded, replicated = (r["traffic"][0] for r in results)
+    sharded, replicated = (r["counters"][0] for r in results)
     assert sharded["traffic_h2d_mb"] * 3 == pytest.approx(replicated["traffic_h2d_mb"])
     assert sharded["traffic_d2h_mb"] * 3 == pytest.approx(replicated["traffic_d2h_mb"])
 

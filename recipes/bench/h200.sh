@@ -2,7 +2,8 @@
 # The GPU-machine runs behind docs/PERFORMANCE.md, stage by stage:
 #   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
 # Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2max slidedpcpu
-#         slidedpclip slidedpaccum ncclctas trace fsdp2_14 slidedp14 (each appends to OUT_DIR/runs.jsonl).
+#         ncclctas reftrace recompute cpu16 clip peak fsdp2_14 slidedp14 (each appends to
+#         OUT_DIR/runs.jsonl; traces go to OUT_DIR).
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
@@ -38,16 +39,22 @@ for stage in "$@"; do
               done ;;
     slidedpcpu) run --mode slidedp --batches 16,32 --routes sharded/cpu,replicated/cpu --max-norm 0 \
                   --no-memory-check --flavor qwen3-8B ;;
-    slidedpclip) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 1.0 --no-memory-check \
-                   --label clip --flavor qwen3-8B ;;
-    slidedpaccum) run --mode slidedp --batches 32 --accum 2 --routes sharded/gpu --max-norm 1.0 \
-                    --no-memory-check --label accum2+clip --flavor qwen3-8B ;;
     ncclctas) # A/B of the proportional overhead: fewer SMs for the collectives that overlap compute.
               NCCL_MAX_CTAS=4 run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 \
                 --no-memory-check --label nccl-max-ctas-4 --flavor qwen3-8B ;;
-    trace) run --mode reference --ac full --batches 16 --steps 1 --trace-dir "$out" --label trace --flavor qwen3-8B
-           run --mode slidedp --batches 16 --routes sharded/gpu,replicated/cpu --max-norm 0 --no-memory-check \
-             --steps 1 --trace-dir "$out" --label trace --flavor qwen3-8B ;;
+    # The next four trace 16 sequences per GPU (one more, profiled step after the timed ones).
+    reftrace) run --mode reference --ac full --batches 16,32 --trace-dir "$out" --trace-batch 16 \
+                --flavor qwen3-8B ;;
+    recompute) run --mode slidedp --batches 16,32 --routes sharded/gpu --max-norm 0 --no-memory-check \
+                 --trace-dir "$out" --trace-batch 16 --flavor qwen3-8B ;;
+    cpu16) run --mode slidedp --batches 16 --routes replicated/cpu,sharded/cpu --max-norm 0 \
+             --no-memory-check --trace-dir "$out" --flavor qwen3-8B ;;
+    clip) run --mode slidedp --batches 16 --accum 1,2 --routes sharded/gpu --max-norm 1.0 --no-memory-check \
+            --trace-dir "$out" --label clip --flavor qwen3-8B ;;
+    peak) # FSDP2's largest batch next to SlideDP's best setting, in one lease.
+          run --mode fsdp2 --ac full --batches 32 --label same-run --flavor qwen3-8B
+          run --mode slidedp --batches 16 --routes replicated/gpu --max-norm 0 --no-memory-check \
+            --activation selective --keep-blocks 4 --label same-run --flavor qwen3-8B ;;
     fsdp2_14) run --mode fsdp2 --ac full --batches 8 --flavor qwen3-14B ;;
     slidedp14) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check \
                  --activation selective --flavor qwen3-14B ;;

@@ -96,16 +96,18 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=3)
     p.add_argument("--chunk-mib", type=float, default=32.0)
     p.add_argument("--max-norm", type=float, default=1.0)
-    p.add_argument("--accum", type=int, default=1,
-                   help="slidedp/fsdp2: split each local batch into this many accumulated micro-batches")
+    p.add_argument("--accum", default="1",
+                   help="slidedp/fsdp2: list of micro-batch counts each local batch is split into")
     p.add_argument("--no-memory-check", action="store_true",
                    help="slidedp: skip the MemAvailable check (VMs whose memory grows on demand)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--label", default="")
     p.add_argument("--trace-dir", default="",
-                   help="profile the last timed step of each point on rank 0: Chrome trace + "
-                        "per-stream busy times (recipes/bench/timeline.py) in the row")
+                   help="profile one more step after the timed ones on rank 0: Chrome trace + the "
+                        "per-stream breakdown of recipes/bench/timeline.py in the row")
+    p.add_argument("--trace-batch", type=int, default=0,
+                   help="with --trace-dir: trace only this local batch size (0: every one)")
     p.add_argument("--out", default="throughput.jsonl")
     p.add_argument("--report", nargs="*", help="print the markdown table of these JSONL files")
     a = p.parse_args()
@@ -132,14 +134,15 @@ def main() -> None:
     for route in routes:
         if a.mode == "slidedp":
             backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
-        for batch in (int(b) for b in a.batches.split(",")):
+        for batch, accum in ((int(b), int(n)) for b in a.batches.split(",") for n in a.accum.split(",")):
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
             times, extras, traced = [], [], {}
             n_timed = a.warmup + a.steps
             # The traced step (rank 0 profiles) comes after the timed ones: its overhead stays out.
-            for i in range(n_timed + (1 if a.trace_dir else 0)):
+            trace = bool(a.trace_dir) and a.trace_batch in (0, batch)
+            for i in range(n_timed + trace):
                 data = _synthetic(batch, a.seq, args.vocab_size, device=device, seed=i * world + rank)
                 profiling = i == n_timed and rank == 0
                 prof = _profiler() if profiling else contextlib.nullcontext()
@@ -148,14 +151,14 @@ def main() -> None:
                     if a.mode == "reference":
                         extra = runner.step(data)
                     else:
-                        micro = list(zip(*(t.chunk(a.accum) for t in data)))
+                        micro = list(zip(*(t.chunk(accum) for t in data)))
                         extra = backend.train_step(micro, lr=1e-5,
                                                    global_target_tokens=batch * a.seq * world).extra
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                 elapsed = time.perf_counter() - start
                 if profiling:
-                    path = os.path.join(a.trace_dir, f"{a.mode}_{route.replace('/', '-')}_b{batch}.json.gz")
+                    path = os.path.join(a.trace_dir, f"{a.mode}_{route.replace('/', '-')}_b{batch}x{accum}.json.gz")
                     prof.export_chrome_trace(path)
                     traced = {"traced_step_s": elapsed, **breakdown(path, step_time_s=elapsed)}
                 elif a.warmup <= i < n_timed:
@@ -165,7 +168,7 @@ def main() -> None:
             row = {"mode": a.mode, "label": a.label, "flavor": a.flavor, "route": route,
                    "ac": a.ac if a.mode != "slidedp" else a.activation,
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
-                   "world": world, "seq": a.seq, "local_batch": batch, "accum": a.accum,
+                   "world": world, "seq": a.seq, "local_batch": batch, "accum": accum,
                    "max_norm": a.max_norm, "step_time_s": step_time,
                    **throughput(global_tokens=batch * a.seq * world, step_time=step_time,
                                 flops_per_token=args.flops_per_token(a.seq), world=world,
