@@ -44,6 +44,8 @@ def test_report_ratios_per_model(tmp_path):
             dict(base, mode="fsdp2", flavor="qwen3-8B", ac="full", local_batch=16, tokens_per_s=800.0),
             dict(base, mode="slidedp", flavor="qwen3-8B", ac="recompute", local_batch=16,
                  route="sharded/gpu", tokens_per_s=950.0),
+            dict(base, mode="slidedp", flavor="qwen3-8B", ac="recompute", local_batch=16, accum=2,
+                 label="clip", route="sharded/gpu", tokens_per_s=900.0),
             dict(base, mode="fsdp2", flavor="qwen3-14B", ac="full", local_batch=8, tokens_per_s=400.0)]
     path = tmp_path / "runs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -51,3 +53,4 @@ def test_report_ratios_per_model(tmp_path):
     slidedp = next(line for line in lines if "slidedp" in line)
     assert "95.0%" in slidedp and "1.188x" in slidedp  # vs reference (full), vs the 8B FSDP2 peak
     assert "1.000x" in next(line for line in lines if "qwen3-14B" in line)
+    assert "| 16 (2x8) | 900 |" in next(line for line in lines if "clip" in line)

@@ -2,7 +2,7 @@
 # The GPU-machine runs behind docs/PERFORMANCE.md, stage by stage:
 #   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
 # Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2max slidedpcpu
-#         ncclctas reftrace recompute cpu16 clip peak fsdp2_14 slidedp14 (each appends to
+#         ncclctas reftrace recompute cpu16 clip slidedpmax peak fsdp2_14 slidedp14 (each appends to
 #         OUT_DIR/runs.jsonl; traces go to OUT_DIR).
 set -uo pipefail
 out=$1; shift
@@ -47,10 +47,16 @@ for stage in "$@"; do
                 --flavor qwen3-8B ;;
     recompute) run --mode slidedp --batches 16,32 --routes sharded/gpu --max-norm 0 --no-memory-check \
                  --trace-dir "$out" --trace-batch 16 --flavor qwen3-8B ;;
-    cpu16) run --mode slidedp --batches 16 --routes replicated/cpu,sharded/cpu --max-norm 0 \
+    cpu16) run --mode slidedp --batches 16 --routes sharded/cpu,replicated/cpu --max-norm 0 \
              --no-memory-check --trace-dir "$out" --flavor qwen3-8B ;;
     clip) run --mode slidedp --batches 16 --accum 1,2 --routes sharded/gpu --max-norm 1.0 --no-memory-check \
             --trace-dir "$out" --label clip --flavor qwen3-8B ;;
+    slidedpmax) # SlideDP's largest batch under full recompute: 48, else 40.
+                for b in 48 40; do
+                  timeout 200 "${bench[@]}" --mode slidedp --batches $b --routes sharded/gpu --max-norm 0 \
+                    --no-memory-check --flavor qwen3-8B && break
+                  echo "slidedp at $b sequences per GPU failed (out of memory?)"
+                done ;;
     peak) # FSDP2's largest batch next to SlideDP's best setting, in one lease.
           run --mode fsdp2 --ac full --batches 32 --label same-run --flavor qwen3-8B
           run --mode slidedp --batches 16 --routes replicated/gpu --max-norm 0 --no-memory-check \
