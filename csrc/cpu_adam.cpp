@@ -10,6 +10,8 @@
 // Built as a plain shared library (no torch headers) and called through ctypes from
 // slidedp/cpu_adam.py; ctypes releases the GIL for the call. One build serves every x86 CPU: each
 // ISA path is compiled with its own function-level target attribute and picked at run time.
+// The library also exports slidedp_grad_accumulate, the host-side gradient sum/accumulation that
+// returns the clipping norm's sum of squares from the same pass.
 
 #include <pthread.h>
 

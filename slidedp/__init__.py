@@ -5,10 +5,11 @@
   host_state.py   the shared-memory FP32 master + Adam moments (+ BF16 shadow)
   delivery.py     host->GPU parameter routes (replicated | sharded)
   update.py       GPU->host gradient routes (gpu | cpu reduction) and the CPU AdamW
-  cpu_adam.py     the C++ fused AdamW kernel (csrc/) and its torch fallback
+  cpu_adam.py     the C++ fused AdamW and gradient-sum kernels (csrc/), torch fallback
   schedule.py     which unit uses which GPU buffer, and when a delivery is needed
-  activations.py  per-block activation policy (keep | recompute)
+  activations.py  per-block activation policy (keep | recompute | selective)
   streams.py      CUDA streams/events that are no-ops on the CPU
   traffic.py      per-step byte counters of each route
+  state_file.py   per-rank FP32 shards of master + moments, for resuming
   engine.py       the streamed training step (TrainBackend)
 """

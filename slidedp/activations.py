@@ -7,6 +7,8 @@ in backward against whichever buffer holds that unit then. The weights can leave
 be re-delivered; the kept activations stay. (Offload to host memory is the next policy to plug in
 here: it is another pack/unpack pair.)
 
+"recompute" and "selective" run the block under torch's non-reentrant checkpoint, whose replay
+stops once backward's last saved tensor is rebuilt (the block's final projection is not re-run).
 "selective" is full recompute except attention: the attention kernel's outputs are saved in
 forward (torch's selective activation checkpointing), so backward replays only the cheap
 projections, norms and MLP, not the attention itself.

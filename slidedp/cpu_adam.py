@@ -5,6 +5,8 @@ moments, and optionally writes a BF16 copy of the params, all in one pass over m
 compiled on first use into `${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` and loaded with ctypes, which
 releases the GIL for the call, so the runtime can update one slice while other threads move the
 next. Without a compiler the same math runs in torch ops (`torch._fused_adamw_` and separate casts).
+The same library holds `grad_accumulate`: the host-side gradient sum / accumulation with the sum of
+squares for clipping, also in one pass.
 
 `SLIDEDP_CPU_ADAM_ISA=avx512bf16|avx512|avx2|scalar|torch` forces a code path.
 """
