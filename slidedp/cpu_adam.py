@@ -193,7 +193,10 @@ def grad_accumulate(acc: Tensor, src: Tensor, *, assign: bool, want_sumsq: bool,
     _check("acc", acc, (torch.float32,), n, fn="grad_accumulate")
     _check("src", src, (torch.bfloat16, torch.float32), n, fn="grad_accumulate")
     if active_isa() == TORCH_ISA:
-        acc.copy_(src) if assign else acc.add_(src)
+        if assign:
+            acc.copy_(src)
+        else:
+            acc.add_(src)
         return float(torch.dot(acc, acc)) if want_sumsq else 0.0
     threads = default_num_threads() if num_threads is None else num_threads
     return _library().slidedp_grad_accumulate(acc.data_ptr(), src.data_ptr(), int(src.dtype == torch.bfloat16),
