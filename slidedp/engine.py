@@ -210,7 +210,7 @@ class SlideDPBackend:
         unit = self.layout.units[use.unit]
         with self._timed("gate_wait_s"):
             self.delivery.wait_version(unit, version)
-        with self._timed("deliver_host_s"):
+        with self._timed("deliver_s"):
             return self.delivery.deliver(unit, self.buffers[use.buffer])
 
     def _submit_deliveries(self, uses: list[Use]) -> None:
