@@ -76,12 +76,16 @@ def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(e - s for s, e in intervals)
 
 
-def stream_busy(trace_path: str) -> dict[str, dict[str, float]]:
-    """{"stream <id>": {kind: seconds}} of the GPU events of one exported Chrome trace."""
+def _busy(events: list[tuple[str, str, float, float]]) -> dict[str, dict[str, float]]:
     busy: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for stream, kind, start, end in _gpu_events(trace_path):
+    for stream, kind, start, end in events:
         busy[stream][kind] += end - start
     return {s: dict(kinds) for s, kinds in busy.items()}
+
+
+def stream_busy(trace_path: str) -> dict[str, dict[str, float]]:
+    """{"stream <id>": {kind: seconds}} of the GPU events of one exported Chrome trace."""
+    return _busy(_gpu_events(trace_path))
 
 
 def breakdown(trace_path: str, *, step_time_s: float) -> dict[str, float]:
@@ -89,7 +93,7 @@ def breakdown(trace_path: str, *, step_time_s: float) -> dict[str, float]:
     idle time, and the idle time split by what it waited behind (`exposed_<kind>_s`, `exposed_host_s`;
     the host part includes the step time outside the trace's first and last GPU event)."""
     events = _gpu_events(trace_path)
-    per_stream = stream_busy(trace_path)
+    per_stream = _busy(events)
     totals: dict[str, float] = defaultdict(float)
     for kinds in per_stream.values():
         for kind, seconds in kinds.items():
