@@ -90,6 +90,7 @@ class SlideDPBackend:
                                                              eps=opt.eps,
                                                              weight_decay=opt.weight_decay),
                                        threads=threads)
+        self._pending: list[Future] = []
         self.set_routes(delivery=cfg.delivery, reduction=cfg.reduction)
 
         bf16 = dict(dtype=torch.bfloat16, device=device)
@@ -108,7 +109,6 @@ class SlideDPBackend:
                                            initializer=self.streams.bind_thread)
         self._last_release: dict[int, Future | None] = {b: None for b in range(len(self.buffers))}
         self._resident: dict[int, int] = {}
-        self._pending: list[Future] = []
         self._normsq = 0.0
         self._host_times: defaultdict[str, float] = defaultdict(float)
         self._token = 0
@@ -122,8 +122,7 @@ class SlideDPBackend:
         if reduction == "cpu" and not self.state.plan.cpu_staging:
             raise ValueError("reduction='cpu' needs the host staging region: start with "
                              "slidedp.reduction = 'cpu'")
-        if getattr(self, "_pending", None):
-            self._drain()
+        self._drain()
         self.delivery = Delivery(self.state, self.streams, route=delivery, rank=self.rank,
                                  world=self.world, group=self._gather_group,
                                  chunk_elems=self.chunk, traffic=self.traffic)
