@@ -30,12 +30,7 @@ from recipes.config import JobConfig
 from recipes.metrics import memory, throughput
 from recipes.bench.timeline import breakdown
 from recipes.parallelize import apply_activation_checkpointing, build_backend
-
-
-def _synthetic(batch: int, seq: int, vocab: int, *, device: torch.device, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(vocab, (batch, seq + 1), generator=g)
-    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+from recipes.train import SyntheticBatches
 
 
 class _Reference:
@@ -145,8 +140,11 @@ def main() -> None:
             n_timed = warmup + a.steps
             # The traced step (rank 0 profiles) comes after the timed ones: its overhead stays out.
             trace = bool(a.trace_dir) and a.trace_batch in (0, batch)
+            batches = iter(SyntheticBatches(vocab_size=args.vocab_size, seq_len=a.seq,
+                                            local_batch_size=batch, dp_rank=rank, dp_world=world,
+                                            seed=0))
             for i in range(n_timed + trace):
-                data = _synthetic(batch, a.seq, args.vocab_size, device=device, seed=i * world + rank)
+                data = next(batches)
                 profiling = i == n_timed and rank == 0
                 prof = _profiler() if profiling else contextlib.nullcontext()
                 start = time.perf_counter()
