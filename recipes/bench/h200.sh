@@ -13,6 +13,15 @@ ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 export OMP_NUM_THREADS=$(( $(nproc) / ngpu ))
 bench=(torchrun --standalone --nproc_per_node="$ngpu" -m recipes.bench.throughput --out "$out/runs.jsonl")
 run() { "${bench[@]}" "$@"; }
+# largest SECONDS "B1 B2 ..." ARGS...: the first of the batch sizes that runs (an out-of-memory rank
+# can leave its peer waiting in a collective, hence the time limit on each try).
+largest() {
+  local limit=$1 sizes=$2; shift 2
+  for b in $sizes; do
+    timeout "$limit" "${bench[@]}" --batches "$b" "$@" && return
+    echo "$* at $b sequences per GPU failed (out of memory?)"
+  done
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -31,12 +40,7 @@ for stage in "$@"; do
                    --keep-blocks 6 --label keep6 --flavor qwen3-8B ;;
     slidedpsac) run --mode slidedp --batches 16 --routes sharded/gpu,replicated/gpu --max-norm 0 \
                   --no-memory-check --activation selective --keep-blocks 4 --label sel+keep4 --flavor qwen3-8B ;;
-    fsdp2max) # The largest batch FSDP2 holds: 32, else 28 (an out-of-memory rank can leave its peer
-              # waiting in a collective, hence the time limit).
-              for b in 32 28; do
-                timeout 150 "${bench[@]}" --mode fsdp2 --ac full --batches $b --flavor qwen3-8B && break
-                echo "fsdp2 at $b sequences per GPU failed (out of memory?)"
-              done ;;
+    fsdp2max) largest 150 "32 28" --mode fsdp2 --ac full --flavor qwen3-8B ;;  # FSDP2's largest batch
     slidedpcpu) run --mode slidedp --batches 16,32 --routes sharded/cpu,replicated/cpu --max-norm 0 \
                   --no-memory-check --flavor qwen3-8B ;;
     ncclctas) # A/B of the proportional overhead: fewer SMs for the collectives that overlap compute.
@@ -51,12 +55,8 @@ for stage in "$@"; do
              --no-memory-check --trace-dir "$out" --flavor qwen3-8B ;;
     clip) run --mode slidedp --batches 16 --accum 1,2 --routes sharded/gpu --max-norm 1.0 --no-memory-check \
             --trace-dir "$out" --label clip --flavor qwen3-8B ;;
-    slidedpmax) # SlideDP's largest batch under full recompute: 48, else 40.
-                for b in 48 40; do
-                  timeout 200 "${bench[@]}" --mode slidedp --batches $b --routes sharded/gpu --max-norm 0 \
-                    --no-memory-check --flavor qwen3-8B && break
-                  echo "slidedp at $b sequences per GPU failed (out of memory?)"
-                done ;;
+    slidedpmax) largest 200 "48 40" --mode slidedp --routes sharded/gpu --max-norm 0 --no-memory-check \
+                  --flavor qwen3-8B ;;  # SlideDP's largest batch under full recompute
     peak) # FSDP2's largest batch next to SlideDP's best setting, in one lease.
           run --mode fsdp2 --ac full --batches 32 --label same-run --flavor qwen3-8B
           run --mode slidedp --batches 16 --routes replicated/gpu --max-norm 0 --no-memory-check \
