@@ -2,8 +2,8 @@
 # The GPU-machine runs behind docs/PERFORMANCE.md, stage by stage:
 #   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
 # Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2max slidedpcpu
-#         ncclctas reftrace recompute cpu16 clip slidedpmax peak fsdp2_14 slidedp14 (each appends to
-#         OUT_DIR/runs.jsonl; traces go to OUT_DIR).
+#         ncclctas reftrace recompute cpu16 clip clip1 slidedpmax refmax fsdp2same peak fsdp2_14 slidedp14
+#         (each appends to OUT_DIR/runs.jsonl; traces go to OUT_DIR).
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
@@ -42,7 +42,7 @@ for stage in "$@"; do
                   --no-memory-check --activation selective --keep-blocks 4 --label sel+keep4 --flavor qwen3-8B ;;
     fsdp2max) largest 150 "32 28" --mode fsdp2 --ac full --flavor qwen3-8B ;;  # FSDP2's largest batch
     slidedpcpu) run --mode slidedp --batches 16,32 --routes sharded/cpu,replicated/cpu --max-norm 0 \
-                  --no-memory-check --flavor qwen3-8B ;;
+                  --no-memory-check --trace-dir "$out" --trace-batch 16 --flavor qwen3-8B ;;
     ncclctas) # A/B of the proportional overhead: fewer SMs for the collectives that overlap compute.
               NCCL_MAX_CTAS=4 run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 \
                 --no-memory-check --label nccl-max-ctas-4 --flavor qwen3-8B ;;
@@ -55,8 +55,12 @@ for stage in "$@"; do
              --no-memory-check --trace-dir "$out" --flavor qwen3-8B ;;
     clip) run --mode slidedp --batches 16 --accum 1,2 --routes sharded/gpu --max-norm 1.0 --no-memory-check \
             --trace-dir "$out" --label clip --flavor qwen3-8B ;;
+    clip1) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 1.0 --no-memory-check --label clip \
+             --flavor qwen3-8B ;;
     slidedpmax) largest 200 "48 40" --mode slidedp --routes sharded/gpu --max-norm 0 --no-memory-check \
                   --flavor qwen3-8B ;;  # SlideDP's largest batch under full recompute
+    refmax) largest 150 "48 40" --mode reference --ac full --flavor qwen3-8B ;;  # the reference there
+    fsdp2same) run --mode fsdp2 --ac full --batches 16,32 --flavor qwen3-8B ;;  # SlideDP's batches; 32 is its largest
     peak) # FSDP2's largest batch next to SlideDP's best setting, in one lease.
           run --mode fsdp2 --ac full --batches 32 --label same-run --flavor qwen3-8B
           run --mode slidedp --batches 16 --routes replicated/gpu --max-norm 0 --no-memory-check \
