@@ -40,7 +40,7 @@ class Delivery:
         counters = self.state.version[unit.index]
         if self.route == "sharded":
             counters = counters[self.rank:self.rank + 1]
-        SharedHostState.wait_counter(counters, version, what=f"version of unit {unit.index}")
+        self.state.wait_counter(counters, version, what=f"version of unit {unit.index}")
 
     def _source(self, unit: Unit, start: int, end: int, k: int) -> torch.Tensor:
         if self.state.plan.bf16_shadow:

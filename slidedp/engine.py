@@ -10,6 +10,8 @@ Handshakes are futures carrying CUDA events, so waits happen on the device where
 Each step reports its bytes moved and where the threads' time went (`host_*_s`: version-gate
 waits, delivery issue, gradient return + update, clipped updates, the compute thread's waits for
 deliveries) next to `update_tail_s`, the update time backward did not hide.
+A step that fails on the compute thread (out of memory, a bad batch, Ctrl-C) first fails the jobs
+waiting on it, so the error reaches the caller and the process can exit.
 """
 
 import contextlib
@@ -33,7 +35,8 @@ from recipes.backend import Batch, StepResult
 from slidedp import cpu_adam
 from slidedp.activations import WeightRefs, block_policies, save_attention_context
 from slidedp.delivery import Delivery
-from slidedp.host_state import HostStatePlan, SharedHostState, available_host_bytes, host_state_bytes
+from slidedp.host_state import (HostStatePlan, SharedHostState, StepAborted, available_host_bytes,
+                                host_state_bytes)
 from slidedp.layout import SHARD_ALIGN, StateLayout, Unit
 from slidedp.schedule import Use, plan_micro_batch
 from slidedp.state_file import load_shards, save_shards
@@ -109,6 +112,7 @@ class SlideDPBackend:
                                            initializer=self.streams.bind_thread)
         self._last_release: dict[int, Future | None] = {b: None for b in range(len(self.buffers))}
         self._resident: dict[int, int] = {}
+        self._uses: list[Use] = []  # the current micro-batch's plan
         self._normsq = 0.0
         self._host_times: defaultdict[str, float] = defaultdict(float)
         self._token = 0
@@ -346,6 +350,25 @@ class SlideDPBackend:
         return out.detach()
 
     def train_step(self, micro_batches: list[Batch], *, lr: float, global_target_tokens: int) -> StepResult:
+        if self.state.aborted.is_set():
+            raise RuntimeError("SlideDP: an earlier step failed on this rank; its host state is "
+                               "mid-update, so restart from the last checkpoint")
+        try:
+            return self._train_step(micro_batches, lr=lr, global_target_tokens=global_target_tokens)
+        except BaseException:
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        """The step failed on the compute thread (out of memory, a bad batch, Ctrl-C). Its jobs
+        would otherwise wait forever for buffer releases that will never come, or for counters,
+        and keep the process from exiting: fail the releases and stop the counter waits."""
+        self.state.aborted.set()
+        for use in self._uses:
+            if not use.release.done():
+                use.release.set_exception(StepAborted("SlideDP: the step using this buffer failed"))
+
+    def _train_step(self, micro_batches: list[Batch], *, lr: float, global_target_tokens: int) -> StepResult:
         self.traffic.reset()
         self._host_times = defaultdict(float)
         n_micro = len(micro_batches)
@@ -356,6 +379,7 @@ class SlideDPBackend:
             uses, self._resident = plan_micro_batch(
                 self.args.n_layers, self.cfg.window_slots,
                 resident=self._resident if micro else {}, embed_head_resident=micro > 0)
+            self._uses = uses
             self._submit_deliveries(uses)
             loss += self._micro_batch(uses, tokens.to(self.device, non_blocking=True),
                                       labels.to(self.device, non_blocking=True), rope,
@@ -418,10 +442,11 @@ class SlideDPBackend:
 
     def close(self) -> None:
         try:
-            self._drain()
+            if not self.state.aborted.is_set():  # after a failed step the jobs end in StepAborted
+                self._drain()
         finally:
-            self._deliverer.shutdown(wait=True)
-            self._updater.shutdown(wait=True)
+            self._deliverer.shutdown(wait=True, cancel_futures=True)
+            self._updater.shutdown(wait=True, cancel_futures=True)
             self.buffers.clear()
             self.state.close()
 

@@ -19,6 +19,7 @@ Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_A
 
 import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -28,6 +29,10 @@ import torch
 from slidedp.layout import StateLayout
 
 _CONTROL_FIELDS = ("version", "ready", "consumed")
+
+
+class StepAborted(RuntimeError):
+    """A runtime job stopped waiting because the step it served failed on this rank."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class SharedHostState:
         n_units = len(layout.units)
         ctrl = self.regions["control"].view(len(_CONTROL_FIELDS), n_units, world)
         self.version, self.ready, self.consumed = ctrl[0], ctrl[1], ctrl[2]
+        self.aborted = threading.Event()  # this rank's step failed: runtime threads stop waiting
         self._registered: list[int] = []
         if pin:
             for name in ("shadow", "staging", "master"):
@@ -134,13 +140,16 @@ class SharedHostState:
         base = owner * self.layout.total + u.host_offset
         return self.regions["staging"][base + start:base + end]
 
-    @staticmethod
-    def wait_counter(counter: torch.Tensor, at_least: int, *, what: str, timeout_s: float = 600.0) -> None:
+    def wait_counter(self, counter: torch.Tensor, at_least: int, *, what: str,
+                     timeout_s: float = 600.0) -> None:
         """Spin (with short sleeps) until every entry of a shared counter reaches `at_least`:
-        the cross-process version gate. Counters only grow, and x86 stores are seen in order."""
+        the cross-process version gate. Counters only grow, and x86 stores are seen in order.
+        Raises StepAborted once `aborted` is set (this rank's step failed)."""
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
         while int(counter.min()) < at_least:
+            if self.aborted.is_set():
+                raise StepAborted(f"SlideDP: stopped waiting for {what}: this rank's step failed")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"SlideDP: waited {timeout_s:.0f}s for {what} to reach "
                                    f"{at_least} (have {counter.tolist()}): a rank died?")

@@ -107,7 +107,7 @@ class GradientReturn:
                    norm: bool):
         st = self.state
         # Buffer release: every owner must have consumed our previous return of this unit.
-        SharedHostState.wait_counter(st.consumed[unit.index], token - 1,
+        st.wait_counter(st.consumed[unit.index], token - 1,
                                      what=f"consumption of unit {unit.index}")
         mine = st.staging_view(self.rank, unit.index)
         events = []
@@ -119,7 +119,7 @@ class GradientReturn:
             Streams.synchronize(ev)
         self.traffic.d2h += unit.padded * 2
         st.ready[unit.index, self.rank] = token
-        SharedHostState.wait_counter(st.ready[unit.index], token, what=f"gradients of unit {unit.index}")
+        st.wait_counter(st.ready[unit.index], token, what=f"gradients of unit {unit.index}")
         for start in range(lo, hi, self.chunk):
             end = min(start + self.chunk, hi)
             acc = self.sum_buf[:end - start]

@@ -9,6 +9,7 @@ Two ways, both importable (`from tests.conftest import run_ranks, run_torchrun`)
 import io
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +47,27 @@ def run_torchrun(args: list[str], *, nproc: int, timeout: float = 600,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL `pid` and every descendant (torchrun starts its workers in their own sessions, so
+    a process group kill misses them)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue  # it has just exited
+        children.setdefault(ppid, []).append(int(entry))
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        stack.extend(children.get(p, []))
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _rank_main(fn: Callable, rank: int, world: int, port: int, args: tuple,

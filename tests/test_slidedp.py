@@ -17,7 +17,7 @@ from models.flavors import get_flavor
 from recipes.parallelize import build_single_backend
 from slidedp.layout import SHARD_ALIGN, StateLayout
 from slidedp.schedule import plan_micro_batch
-from tests.conftest import REPO, run_torchrun, subprocess_env
+from tests.conftest import REPO, kill_process_tree, run_torchrun, subprocess_env
 from tests.slidedp_worker import global_batches, make_config
 
 # A chunk of 0.003 MiB is 1536 elements: it divides neither a block nor a shard.
@@ -237,3 +237,51 @@ def test_host_state_starts_from_a_hugging_face_checkpoint(tmp_path, flavor):
                                    backend.state.master.to(torch.bfloat16), rtol=0, atol=0)
     finally:
         backend.close()
+
+
+FAILING_STEP = """
+import sys, torch, torch.distributed as dist
+from models.flavors import get_flavor
+from slidedp.engine import SlideDPBackend
+from tests.slidedp_worker import make_config
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+args = get_flavor("qwen3-debug")
+backend = SlideDPBackend(make_config({"delivery": sys.argv[1]}, accum=1, max_norm=float(sys.argv[2])),
+                         args, device=torch.device("cpu"), dp_rank=rank, dp_world=world)
+x = torch.randint(0, args.vocab_size, (2, 16))
+backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel() * world)
+bad = torch.full((2, 16), args.vocab_size)  # not a token: the embedding lookup raises
+if sys.argv[3] == "closed":
+    try:
+        backend.train_step([(bad, x)], lr=1e-3, global_target_tokens=x.numel() * world)
+    finally:
+        backend.close()
+else:  # uncaught, and no close(): the interpreter's exit must not wait on the runtime's threads
+    backend.train_step([(bad, x)], lr=1e-3, global_target_tokens=x.numel() * world)
+"""
+
+
+@pytest.mark.parametrize("delivery,max_norm,ending", [("sharded", 0.0, "uncaught"),
+                                                       ("replicated", 1.0, "closed")])
+def test_a_failing_step_ends_every_rank_promptly(tmp_path, delivery, max_norm, ending):
+    """An error inside a step (here a bad token id; on a GPU typically out-of-memory) reaches
+    the caller and the process exits, releasing the shared state, instead of waiting forever
+    on the runtime's delivery and update threads."""
+    script = tmp_path / "failing_step.py"
+    script.write_text(FAILING_STEP)
+    before = _shmem_bytes()
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc_per_node=2", str(script), delivery, str(max_norm), ending],
+                                cwd=REPO, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_process_tree(proc.pid)
+        raise AssertionError("a rank hung after its step failed:\n" + log.read_text()[-3000:])
+    out = log.read_text()
+    assert proc.returncode != 0
+    assert "IndexError" in out, out[-3000:]
+    assert _shmem_bytes() - before < 2**26
