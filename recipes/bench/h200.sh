@@ -57,7 +57,7 @@ for stage in "$@"; do
             --trace-dir "$out" --label clip --flavor qwen3-8B ;;
     clip1) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 1.0 --no-memory-check --label clip \
              --flavor qwen3-8B ;;
-    slidedpmax) largest 200 "48 40" --mode slidedp --routes sharded/gpu --max-norm 0 --no-memory-check \
+    slidedpmax) largest 200 "56 48 40" --mode slidedp --routes sharded/gpu --max-norm 0 --no-memory-check \
                   --flavor qwen3-8B ;;  # SlideDP's largest batch under full recompute
     refmax) largest 150 "48 40" --mode reference --ac full --flavor qwen3-8B ;;  # the reference there
     fsdp2same) run --mode fsdp2 --ac full --batches 16,32 --flavor qwen3-8B ;;  # SlideDP's batches; 32 is its largest
