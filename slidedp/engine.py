@@ -88,7 +88,7 @@ class SlideDPBackend:
         self.streams = Streams(device)
         self.traffic = Traffic()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
-        threads = cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // local_world)
+        threads = cfg.cpu_threads or cpu_adam.default_num_threads(local_world=local_world)
         self.optimizer = HostOptimizer(self.state, AdamHyper(beta1=opt.beta1, beta2=opt.beta2,
                                                              eps=opt.eps,
                                                              weight_decay=opt.weight_decay),

@@ -107,8 +107,7 @@ class GradientReturn:
                    norm: bool):
         st = self.state
         # Buffer release: every owner must have consumed our previous return of this unit.
-        st.wait_counter(st.consumed[unit.index], token - 1,
-                                     what=f"consumption of unit {unit.index}")
+        st.wait_counter(st.consumed[unit.index], token - 1, what=f"consumption of unit {unit.index}")
         mine = st.staging_view(self.rank, unit.index)
         events = []
         for start in range(0, unit.padded, self.chunk):
