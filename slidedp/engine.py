@@ -114,7 +114,8 @@ class SlideDPBackend:
         self._resident: dict[int, int] = {}
         self._uses: list[Use] = []  # the current micro-batch's plan
         self._normsq = 0.0
-        self._host_times: defaultdict[str, float] = defaultdict(float)
+        self._host_times: defaultdict[str, float] = defaultdict(float)  # running totals
+        self._host_reported: dict[str, float] = {}  # the totals at the last step's report
         self._token = 0
         self.steps_done = 0
 
@@ -273,7 +274,8 @@ class SlideDPBackend:
 
     @contextlib.contextmanager
     def _timed(self, key: str) -> Iterator[None]:
-        """Adds the block's wall time to this step's `host_<key>` (each key has one thread)."""
+        """Adds the block's wall time to the running total of `host_<key>` (each key has one
+        thread)."""
         start = time.perf_counter()
         try:
             yield
@@ -370,7 +372,6 @@ class SlideDPBackend:
 
     def _train_step(self, micro_batches: list[Batch], *, lr: float, global_target_tokens: int) -> StepResult:
         self.traffic.reset()
-        self._host_times = defaultdict(float)
         n_micro = len(micro_batches)
         rope = rope_tables(self.args, micro_batches[0][0].shape[1], self.device)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -403,8 +404,17 @@ class SlideDPBackend:
             self._pending.append(self._updater.submit(self._apply_job, coef, lr, self.steps_done))
         extra = self.traffic.as_metrics()
         extra.update(update_tail_s=t_drained - t_compute,
-                     **{f"host_{key}": seconds for key, seconds in self._host_times.items()})
+                     **self._host_times_since_last_step())
         return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, extra=extra)
+
+    def _host_times_since_last_step(self) -> dict[str, float]:
+        """`host_<key>` seconds since the previous step's report: a clipped update that ends
+        before the next step starts still counts in that step instead of being lost."""
+        totals = dict(self._host_times)
+        since = {f"host_{key}": total - self._host_reported.get(key, 0.0)
+                 for key, total in totals.items() if total > self._host_reported.get(key, 0.0)}
+        self._host_reported = totals
+        return since
 
     # ---- outside the step ---------------------------------------------------------------------
 

@@ -165,6 +165,28 @@ def test_layout_shards_partition_every_unit(world):
     assert sum(p.numel for u in layout.units for p in u.params) == get_flavor("qwen2.5-debug").num_params()
 
 
+def test_clipped_update_between_steps_is_counted_in_the_next():
+    """Step t's clipped update runs after step t returns; if it ends before step t+1 starts, its
+    host time is still reported by step t+1."""
+    from slidedp.engine import SlideDPBackend
+
+    args = get_flavor("qwen3-debug")
+    backend = SlideDPBackend(make_config({}, accum=1, max_norm=1e-3), args,
+                             device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    try:
+        x = torch.randint(0, args.vocab_size, (2, 16))
+        first = backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel())
+        # Reading the weights waits for pending updates: step 1's clipped update is finished
+        # before step 2 starts.
+        dict(backend.named_master_parameters())
+        second = backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel())
+    finally:
+        backend.close()
+    assert "host_clipped_update_s" not in first.extra
+    assert second.extra["host_clipped_update_s"] > 0
+    assert second.extra["host_grad_job_s"] > 0
+
+
 def test_too_little_host_memory_is_refused_before_allocating():
     from slidedp.engine import SlideDPBackend
 
