@@ -3,28 +3,27 @@
 Parameter names match Hugging Face (`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...) minus the
 `model.` prefix, so checkpoint conversion is a rename of one prefix. Blocks own no buffers and
 take the RoPE tables as arguments: a block is a self-contained unit that a runtime can stream,
-shard or re-materialize on its own.
+shard or re-materialize on its own. The memory-bound ops (norms, RoPE, SwiGLU, attention, the
+loss) come from the `Kernels` the model is built with (models/kernels.py): plain torch by default.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.args import QwenArgs
+from models.kernels import TORCH_KERNELS, Kernels
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in FP32 and cast back, as Hugging Face Qwen does."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
-        self.eps = eps
+        self.eps, self.kernels = eps, kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(args: QwenArgs, seq_len: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,28 +35,21 @@ def rope_tables(args: QwenArgs, seq_len: int, device: torch.device | str) -> tup
     return emb.cos(), emb.sin()
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (bs, heads, seq, head_dim). Rotated in x's dtype with the tables cast to it, as Hugging
-    # Face does: same numerics as the published model, and no FP32 copies of q and k to save.
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 class Attention(nn.Module):
     """Grouped-query causal self-attention with optional QK-norm (Qwen3) or QKV bias (Qwen2.5)."""
 
-    def __init__(self, args: QwenArgs):
+    def __init__(self, args: QwenArgs, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.kernels = kernels
         q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         self.q_proj = nn.Linear(args.dim, q, bias=args.qkv_bias)
         self.k_proj = nn.Linear(args.dim, kv, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, args.dim, bias=False)
         if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, kernels)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, kernels)
         else:
             self.q_norm = self.k_norm = None
 
@@ -69,33 +61,34 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        q, k = self.kernels.rope(q, k, cos, sin)
+        out = self.kernels.sdpa(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
-    def __init__(self, args: QwenArgs):
+    def __init__(self, args: QwenArgs, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
+        self.kernels = kernels
         self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm attention + MLP block; the unit that SlideDP streams."""
 
-    def __init__(self, args: QwenArgs):
+    def __init__(self, args: QwenArgs, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps, kernels)
+        self.self_attn = Attention(args, kernels)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, kernels)
+        self.mlp = MLP(args, kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -117,16 +110,16 @@ def init_parameter(name: str, p: torch.Tensor, *, std: float = 0.02,
 class QwenModel(nn.Module):
     """Embedding -> blocks -> final norm. `lm_head` is None when tied to the embedding.
 
-    `forward` returns the final hidden states; the loss applies the head in chunks so the full
-    (tokens x vocab) logits never exist (see models/loss.py).
+    `forward` returns the final hidden states; `loss_sum` applies the head so that the full
+    (tokens x vocab) logits never exist (chunked, or fused with the cross-entropy).
     """
 
-    def __init__(self, args: QwenArgs):
+    def __init__(self, args: QwenArgs, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
-        self.args = args
+        self.args, self.kernels = args, kernels
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(args, kernels) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, kernels)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def head_weight(self) -> torch.Tensor:
@@ -139,6 +132,12 @@ class QwenModel(nn.Module):
         In place, so it also works on sharded (DTensor) parameters; seed with torch.manual_seed."""
         for name, p in self.named_parameters():
             init_parameter(name, p, std=std)
+
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor, *,
+                 chunk_tokens: int = 4096) -> torch.Tensor:
+        """Sum of the token losses of `forward`'s output (labels == IGNORE_INDEX excluded)."""
+        return self.kernels.linear_cross_entropy_sum(hidden, self.head_weight(), labels,
+                                                     chunk_tokens=chunk_tokens)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_tables(self.args, tokens.shape[1], tokens.device)

@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+import torch
+
 from models.args import QwenArgs
 from models.flavors import FLAVORS
+from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
 from slidedp.activations import POLICIES
 from slidedp.config import SlideDPConfig
@@ -46,6 +49,11 @@ class Model:
     """Hugging Face model directory (config.json + safetensors) to fine-tune; empty: random init."""
     tokenizer_dir: str = ""
     """Directory with tokenizer.json; empty: hf_dir."""
+    kernels: KernelChoice = "auto"
+    """Norm/RoPE/SwiGLU/loss kernels: "liger" (fused Triton, CUDA), "torch" (eager), "auto"
+    (liger on CUDA when installed, else torch)."""
+    attention: AttentionChoice = "auto"
+    """SDPA backend on CUDA: "auto" (cuDNN, then flash, efficient, math), or only that one."""
 
 
 @dataclass
@@ -310,6 +318,11 @@ def resolve_resume_dir(checkpoint: Checkpoint) -> Path:
 
 def _check_combinations(config: JobConfig) -> None:
     training = config.training
+    try:
+        resolve_kernels(config.model.kernels, attention=config.model.attention,
+                        device_type="cuda" if torch.cuda.is_available() else "cpu")
+    except KernelsUnavailable as e:
+        raise ConfigError(str(e)) from None
     if training.init_on_meta and config.parallelism.mode == "single":
         raise ConfigError('training.init_on_meta: not supported with parallelism.mode = "single"')
     if training.init_on_meta and config.model.hf_dir:

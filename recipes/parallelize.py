@@ -16,16 +16,23 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 
 from models.args import QwenArgs
-from models.loss import chunked_cross_entropy_sum
+from models.kernels import TORCH_KERNELS, Kernels, resolve_kernels
 from models.qwen import QwenModel, init_parameter
 from recipes.backend import Batch, StepResult
 from recipes.config import JobConfig
 
 
-def build_model(args: QwenArgs, *, seed: int, hf_dir: str = "") -> QwenModel:
+def build_kernels(config: JobConfig, *, device: torch.device) -> Kernels:
+    """The model's kernels for this run ([model] kernels and attention on this device)."""
+    return resolve_kernels(config.model.kernels, attention=config.model.attention,
+                           device_type=device.type)
+
+
+def build_model(args: QwenArgs, *, seed: int, hf_dir: str = "",
+                kernels: Kernels = TORCH_KERNELS) -> QwenModel:
     """The full FP32 model on the CPU: seeded random init, or the weights of `hf_dir`. Every
     backend starts from this so the same seed means the same weights in every mode."""
-    model = QwenModel(args)
+    model = QwenModel(args, kernels)
     if hf_dir:
         from models.hf_checkpoint import load_hf_into_model  # safetensors only when needed
 
@@ -95,9 +102,8 @@ class EagerBackend:
             input_ids = input_ids.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             with self._forward_context():
-                hidden = self.model(input_ids)
-                loss = chunked_cross_entropy_sum(hidden, self.model.head_weight(), labels,
-                                                 chunk_tokens=self.chunk_tokens)
+                loss = self.model.loss_sum(self.model(input_ids), labels,
+                                           chunk_tokens=self.chunk_tokens)
             (loss / global_target_tokens).backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(self.params, max_norm=self.max_norm, sharded=self.sharded)
@@ -147,7 +153,8 @@ class EagerBackend:
 def build_single_backend(config: JobConfig, args: QwenArgs, *,
                          device: torch.device) -> EagerBackend:
     """FP32 weights on one device; BF16 compute through autocast."""
-    model = build_model(args, seed=config.training.seed, hf_dir=config.model.hf_dir)
+    model = build_model(args, seed=config.training.seed, hf_dir=config.model.hf_dir,
+                        kernels=build_kernels(config, device=device))
     apply_activation_checkpointing(model, mode=config.activation_checkpoint.mode)
     return EagerBackend(model.to(device), config, device=device,
                         autocast=config.training.dtype == "bf16", sharded=False)
@@ -177,11 +184,12 @@ def build_fsdp2_backend(config: JobConfig, args: QwenArgs, *, device: torch.devi
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     training = config.training
+    kernels = build_kernels(config, device=device)
     if training.init_on_meta:
         with torch.device("meta"):
-            model = QwenModel(args)
+            model = QwenModel(args, kernels)
     else:
-        model = build_model(args, seed=training.seed, hf_dir=config.model.hf_dir)
+        model = build_model(args, seed=training.seed, hf_dir=config.model.hf_dir, kernels=kernels)
     apply_activation_checkpointing(model, mode=config.activation_checkpoint.mode)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if training.dtype == "bf16":

@@ -30,7 +30,7 @@ from recipes.config import (ConfigError, JobConfig, parse_config, resolve_model,
                             resolve_resume_dir)
 from recipes.lr_schedule import LRSchedule
 from recipes.metrics import MetricsLogger, memory, throughput
-from recipes.parallelize import build_backend
+from recipes.parallelize import build_backend, build_kernels
 
 logger = logging.getLogger("recipes")
 
@@ -211,6 +211,21 @@ def _describe_model(name: str, args: QwenArgs) -> str:
     return f"model {name}: {n:,} parameters ({n / 1e9:.2f}B{versus}), {args.n_layers} layers"
 
 
+def _log_kernels(config: JobConfig, args: QwenArgs, *, device: torch.device) -> None:
+    """Which kernels the model computes with, and on CUDA the SDPA kernel that runs."""
+    kernels = build_kernels(config, device=device)
+    line = kernels.describe()
+    if device.type == "cuda":
+        from models.kernels import sdpa_backend_used
+
+        line += " -> " + sdpa_backend_used(kernels, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                                           head_dim=args.head_dim, seq_len=config.training.seq_len,
+                                           device=device)
+    logger.info("%s", line)
+    if kernels.note:
+        logger.info("%s", kernels.note)
+
+
 def _init_distributed(device: torch.device, *, world: int) -> None:
     """The default process group: torchrun's env:// rendezvous, or a one-rank group in-process
     (FSDP2 and SlideDP need one even alone)."""
@@ -252,6 +267,7 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
     if config.job.description:
         logger.info("%s", config.job.description)
     logger.info("%s", _describe_model(name, args))
+    _log_kernels(config, args, device=device)
     batches = build_batches(config, args, dp_rank=rank, dp_world=world)
     step_tokens = training.local_batch_size * training.seq_len * training.grad_accum_steps * world
     logger.info("mode %s on %d x %s, %s compute, global batch %d tokens (%d x %d seq x %d accum "

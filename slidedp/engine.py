@@ -29,7 +29,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from models.args import QwenArgs
-from models.loss import chunked_cross_entropy_sum
+from models.kernels import resolve_kernels
 from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
 from recipes.backend import Batch, StepResult
 from slidedp import cpu_adam
@@ -55,6 +55,10 @@ class SlideDPBackend:
                  dp_world: int):
         cfg, tr, opt = job_config.slidedp, job_config.training, job_config.optimizer
         self.cfg, self.args, self.device = cfg, model_args, device
+        # The same kernels as every other mode, for the blocks run on streamed weights.
+        kernels = self.kernels = resolve_kernels(job_config.model.kernels,
+                                                 attention=job_config.model.attention,
+                                                 device_type=device.type)
         self.rank, self.world = dp_rank, dp_world
         self.max_norm, self.loss_chunk = tr.max_norm, tr.loss_chunk_tokens
         self.layout = StateLayout(model_args, world=dp_world)
@@ -65,8 +69,7 @@ class SlideDPBackend:
         if tr.dtype != "bf16" and dp_rank == 0:
             print(f"[slidedp] computes in BF16 on the GPUs whatever training.dtype says "
                   f"({tr.dtype!r}); master weights and Adam states are FP32", flush=True)
-        self.policies = block_policies(model_args.n_layers, default=cfg.activation,
-                                       keep_blocks=cfg.keep_blocks)
+        self.set_activation(default=cfg.activation, keep_blocks=cfg.keep_blocks)
 
         distributed = dp_world > 1
         self.host_group = dist.new_group(backend="gloo") if distributed else None
@@ -101,8 +104,8 @@ class SlideDPBackend:
         self.buffers.append(torch.empty(self.layout.embed.padded, **bf16))
         self.buffers.append(torch.empty(self.layout.head.padded, **bf16))
         with torch.device("meta"):
-            self.block_template = TransformerBlock(model_args)
-            self.norm_template = RMSNorm(model_args.dim, model_args.norm_eps)
+            self.block_template = TransformerBlock(model_args, kernels)
+            self.norm_template = RMSNorm(model_args.dim, model_args.norm_eps, kernels)
         self._unit_buffer: dict[int, int] = {}
         self.weight_refs = WeightRefs(self.buffers, lambda u: self.buffers[self._unit_buffer[u]])
 
@@ -137,6 +140,11 @@ class SlideDPBackend:
                                           traffic=self.traffic,
                                           max_unit=max(u.padded for u in self.layout.units),
                                           threads=self.optimizer.threads)
+
+    def set_activation(self, *, default: str, keep_blocks: int) -> None:
+        """Set the per-block activation policies; between steps they can change freely (only
+        the compute thread reads them, and a step's saved activations are gone by its end)."""
+        self.policies = block_policies(self.args.n_layers, default=default, keep_blocks=keep_blocks)
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -312,7 +320,8 @@ class SlideDPBackend:
                 head = self._leaves(unit, use.buffer, grad=True)
                 hn = functional_call(self.norm_template, {"weight": head["norm.weight"]}, (h_in,))
                 w = head["lm_head.weight"] if "lm_head.weight" in head else emb["weight"]
-                loss = chunked_cross_entropy_sum(hn, w, labels, chunk_tokens=self.loss_chunk) / global_tokens
+                loss = self.kernels.linear_cross_entropy_sum(
+                    hn, w, labels, chunk_tokens=self.loss_chunk) / global_tokens
                 loss.backward()
                 grad_h = h_in.grad
                 self._submit_grad(unit, head, **grad_kw)

@@ -29,8 +29,9 @@ def global_batches(*, steps: int, accum: int, batch: int, seq: int, vocab: int, 
     return out
 
 
-def make_config(variant: dict, *, accum: int, max_norm: float) -> JobConfig:
+def make_config(variant: dict, *, accum: int, max_norm: float, kernels: str = "auto") -> JobConfig:
     cfg = JobConfig()
+    cfg.model.kernels = kernels
     cfg.training.grad_accum_steps, cfg.training.max_norm = accum, max_norm
     cfg.training.loss_chunk_tokens = 40
     cfg.optimizer.lr = 1e-3
@@ -49,6 +50,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2, help="samples per rank per micro-batch")
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--kernels", default="auto", choices=("auto", "liger", "torch"))
     p.add_argument("--out", required=True)
     a = p.parse_args()
     if a.device == "cuda":
@@ -64,7 +66,7 @@ def main() -> None:
                           vocab=args.vocab_size, seed=7)
     results = []
     for i, variant in enumerate(json.loads(a.variants)):
-        cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm)
+        cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm, kernels=a.kernels)
         backend = SlideDPBackend(cfg, args, device=device, dp_rank=rank, dp_world=world)
         losses, norms, counters = [], [], []
         for micro in data:

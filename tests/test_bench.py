@@ -46,7 +46,12 @@ def test_report_ratios_per_model(tmp_path):
                  route="sharded/gpu", tokens_per_s=950.0),
             dict(base, mode="slidedp", flavor="qwen3-8B", ac="recompute", local_batch=16, accum=2,
                  label="clip", route="sharded/gpu", tokens_per_s=900.0),
-            dict(base, mode="fsdp2", flavor="qwen3-14B", ac="full", local_batch=8, tokens_per_s=400.0)]
+            dict(base, mode="fsdp2", flavor="qwen3-14B", ac="full", local_batch=8, tokens_per_s=400.0),
+            # Fused kernels are compared with the fused reference and FSDP2 only.
+            dict(base, mode="reference", flavor="qwen3-8B", ac="full", local_batch=16,
+                 kernels="liger", tokens_per_s=1300.0),
+            dict(base, mode="slidedp", flavor="qwen3-8B", ac="recompute", local_batch=16,
+                 kernels="liger", label="fused", route="sharded/gpu", tokens_per_s=1235.0)]
     path = tmp_path / "runs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = report([str(path)]).splitlines()
@@ -54,3 +59,5 @@ def test_report_ratios_per_model(tmp_path):
     assert "95.0%" in slidedp and "1.188x" in slidedp  # vs reference (full), vs the 8B FSDP2 peak
     assert "1.000x" in next(line for line in lines if "qwen3-14B" in line)
     assert "| 16 (2x8) | 900 |" in next(line for line in lines if "clip" in line)
+    fused = next(line for line in lines if "slidedp fused" in line)
+    assert "| liger |" in fused and "95.0%" in fused and fused.endswith("| – |")

@@ -25,11 +25,12 @@ ODD_CHUNK = 0.003
 
 
 def run_workers(tmp_path, *, world: int, variants: list[dict], flavor: str, steps: int,
-                accum: int, max_norm: float, device: str = "cpu") -> list[dict]:
+                accum: int, max_norm: float, device: str = "cpu",
+                kernels: str = "auto") -> list[dict]:
     run_torchrun([os.path.join(REPO, "tests", "slidedp_worker.py"),
                   "--variants", json.dumps(variants), "--flavor", flavor, "--steps", str(steps),
                   "--accum", str(accum), "--max-norm", str(max_norm), "--out", str(tmp_path),
-                  "--device", device], nproc=world)
+                  "--device", device, "--kernels", kernels], nproc=world)
     with open(tmp_path / "results.json") as f:
         results = json.load(f)
     for i, r in enumerate(results):
@@ -38,8 +39,8 @@ def run_workers(tmp_path, *, world: int, variants: list[dict], flavor: str, step
 
 
 def single_reference(*, world: int, flavor: str, steps: int, accum: int, max_norm: float,
-                     device: str = "cpu"):
-    cfg = make_config({}, accum=accum, max_norm=max_norm)
+                     device: str = "cpu", kernels: str = "auto"):
+    cfg = make_config({}, accum=accum, max_norm=max_norm, kernels=kernels)
     backend = build_single_backend(cfg, get_flavor(flavor), device=torch.device(device))
     losses = []
     for micro in global_batches(steps=steps, accum=accum, batch=2 * world, seq=16,
@@ -185,6 +186,31 @@ def test_clipped_update_between_steps_is_counted_in_the_next():
     assert "host_clipped_update_s" not in first.extra
     assert second.extra["host_clipped_update_s"] > 0
     assert second.extra["host_grad_job_s"] > 0
+
+
+def test_activation_policies_switch_between_steps():
+    """set_activation between steps (the bench and AutoPolicy's validation use it): a run that
+    changes policy every step still equals `single`."""
+    from slidedp.engine import SlideDPBackend
+
+    kw = dict(flavor="qwen3-debug", steps=3, accum=1, max_norm=0.0)
+    args = get_flavor(kw["flavor"])
+    backend = SlideDPBackend(make_config({}, accum=1, max_norm=0.0), args,
+                             device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    losses = []
+    try:
+        data = global_batches(steps=3, accum=1, batch=2, seq=16, vocab=args.vocab_size, seed=7)
+        for micro, (policy, keep) in zip(data, [("keep", 0), ("selective", 2), ("recompute", 1)]):
+            backend.set_activation(default=policy, keep_blocks=keep)
+            ntok = sum(int((y != -100).sum()) for _, y in micro)
+            losses.append(backend.train_step(micro, lr=1e-3, global_target_tokens=ntok).loss_sum / ntok)
+        weights = {n: t.clone() for n, t in backend.named_master_parameters()}
+    finally:
+        backend.close()
+    assert backend.policies == ["keep", "recompute", "recompute", "recompute"]
+    ref_losses, ref_weights = single_reference(world=1, **kw)
+    assert_matches_reference([{"variant": "switching", "losses": losses, "weights": weights}],
+                             ref_losses, ref_weights)
 
 
 def test_too_little_host_memory_is_refused_before_allocating():

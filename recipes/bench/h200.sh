@@ -3,6 +3,8 @@
 #   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
 # Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2max slidedpcpu
 #         ncclctas reftrace recompute cpu16 clip clip1 slidedpmax refmax fsdp2same peak fsdp2_14 slidedp14
+#         fused-kernel stages (one H200, both [model] kernels side by side):
+#         kgputest attn actbytes ref4b ref8b fsdp4b slidedp4b slidedp8b slidedp8bplain
 #         (each appends to OUT_DIR/runs.jsonl; traces go to OUT_DIR).
 set -uo pipefail
 out=$1; shift
@@ -68,6 +70,34 @@ for stage in "$@"; do
     fsdp2_14) run --mode fsdp2 --ac full --batches 8 --flavor qwen3-14B ;;
     slidedp14) run --mode slidedp --batches 16 --routes sharded/gpu --max-norm 0 --no-memory-check \
                  --activation selective --flavor qwen3-14B ;;
+    kgputest) python3 -m pytest -q -rs tests/test_kernels.py ;;
+    attn) for f in qwen3-4B qwen3-8B; do
+            python3 -m recipes.bench.attention --flavor $f --batches 1,4 --out "$out/attention.jsonl"; done ;;
+    actbytes) for f in qwen3-4B qwen3-8B; do
+                python3 -m recipes.bench.activations --flavor $f --out "$out/activations.jsonl"; done ;;
+    # The compute reference on both kernel paths; the batches that may not fit come last.
+    ref4b) run --mode reference --ac none --batches 1,2,4 --kernels torch --flavor qwen3-4B
+           run --mode reference --ac full --batches 16 --kernels torch --flavor qwen3-4B
+           run --mode reference --ac none --batches 1,2,4,6 --kernels liger --flavor qwen3-4B
+           run --mode reference --ac full --batches 16,32 --kernels liger --flavor qwen3-4B
+           run --mode reference --ac none --batches 4 --kernels liger --attention flash --label flash \
+             --flavor qwen3-4B ;;  # the model with flash attention instead of auto's order
+    ref8b) run --mode reference --ac none --batches 1,2,3 --kernels torch --flavor qwen3-8B
+           run --mode reference --ac full --batches 16 --kernels torch --flavor qwen3-8B
+           run --mode reference --ac none --batches 1,2,3,4,6 --kernels liger --flavor qwen3-8B
+           run --mode reference --ac full --batches 16 --kernels liger --flavor qwen3-8B ;;
+    fsdp4b) run --mode fsdp2 --ac none --batches 2,3 --kernels torch --flavor qwen3-4B
+            run --mode fsdp2 --ac full --batches 16 --kernels torch --flavor qwen3-4B
+            run --mode fsdp2 --ac none --batches 2,3,4,5 --kernels liger --flavor qwen3-4B
+            run --mode fsdp2 --ac full --batches 16,32 --kernels liger --flavor qwen3-4B ;;
+    slidedp4b) timeout 200 "${bench[@]}" --mode slidedp --kernels torch --flavor qwen3-4B --max-norm 0 \
+                 --no-memory-check --points recompute:16 selective:16 keep:1,2,4
+               timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0 \
+                 --no-memory-check --points recompute:16,32 selective:16 keep:1,2,4,6 ;;
+    slidedp8b) timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 0 \
+                 --no-memory-check --points recompute:16 keep:1,2,3 ;;
+    slidedp8bplain) timeout 200 "${bench[@]}" --mode slidedp --kernels torch --flavor qwen3-8B \
+                      --max-norm 0 --no-memory-check --points recompute:16 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

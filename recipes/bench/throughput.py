@@ -24,21 +24,22 @@ import torch
 import torch.distributed as dist
 
 from models.flavors import get_flavor
-from models.loss import chunked_cross_entropy_sum
+from models.kernels import Kernels, sdpa_backend_used
 from models.qwen import QwenModel
 from recipes.config import JobConfig
 from recipes.metrics import memory, throughput
 from recipes.bench.timeline import breakdown
-from recipes.parallelize import apply_activation_checkpointing, build_backend
+from recipes.parallelize import apply_activation_checkpointing, build_backend, build_kernels
 from recipes.train import SyntheticBatches
 
 
 class _Reference:
     """Forward + backward of the resident BF16 model: the compute-only reference."""
 
-    def __init__(self, flavor: str, *, device: torch.device, ac: str, loss_chunk: int):
+    def __init__(self, flavor: str, *, device: torch.device, ac: str, loss_chunk: int,
+                 kernels: Kernels):
         with torch.device("meta"):
-            model = QwenModel(get_flavor(flavor))
+            model = QwenModel(get_flavor(flavor), kernels)
         model.to_empty(device=device)
         model.init_weights()
         self.model = model.to(torch.bfloat16)
@@ -47,9 +48,8 @@ class _Reference:
 
     def step(self, batch) -> dict:
         tokens, labels = (t.to(self.model.embed_tokens.weight.device) for t in batch)
-        hidden = self.model(tokens)
-        loss = chunked_cross_entropy_sum(hidden, self.model.head_weight(), labels,
-                                         chunk_tokens=self.loss_chunk) / labels.numel()
+        loss = self.model.loss_sum(self.model(tokens), labels,
+                                   chunk_tokens=self.loss_chunk) / labels.numel()
         loss.backward()
         for p in self.model.parameters():
             p.grad = None
@@ -67,6 +67,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg = JobConfig()
     cfg.parallelism.mode = a.mode
     cfg.model.flavor = a.flavor
+    cfg.model.kernels, cfg.model.attention = a.kernels, a.attention
     cfg.training.seq_len, cfg.training.max_norm = a.seq, a.max_norm
     cfg.training.init_on_meta = True
     cfg.activation_checkpoint.mode = a.ac
@@ -82,11 +83,19 @@ def main() -> None:
     p.add_argument("--mode", choices=("slidedp", "fsdp2", "reference"))
     p.add_argument("--flavor", default="qwen3-8B")
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--kernels", default="auto", choices=("auto", "liger", "torch"),
+                   help="[model] kernels of every mode")
+    p.add_argument("--attention", default="auto",
+                   choices=("auto", "cudnn", "flash", "efficient", "math"),
+                   help="[model] attention: the SDPA backend")
     p.add_argument("--batches", default="4,8,16", help="local batch sizes (sequences per GPU)")
     p.add_argument("--routes", default="sharded/gpu", help="slidedp: delivery/reduction list; "
                    "the first one's reduction decides whether the host staging region exists")
     p.add_argument("--ac", default="full", choices=("none", "full"), help="fsdp2/reference checkpointing")
     p.add_argument("--activation", default="recompute", help="slidedp default block policy")
+    p.add_argument("--points", nargs="*", default=[],
+                   help="slidedp: POLICY:B1,B2,... entries run in one build, in order (e.g. "
+                        "recompute:16,32 keep:1,2,4); replaces --activation and --batches")
     p.add_argument("--keep-blocks", type=int, default=0, help="slidedp: first N blocks keep activations")
     p.add_argument("--slots", type=int, default=3)
     p.add_argument("--chunk-mib", type=float, default=32.0)
@@ -118,18 +127,27 @@ def main() -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     args = get_flavor(a.flavor)
     routes = a.routes.split(",") if a.mode == "slidedp" else ["-"]
+    kernels = build_kernels(_config(a, "sharded/gpu"), device=device)
+    attention_op = sdpa_backend_used(kernels, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                                     head_dim=args.head_dim, seq_len=a.seq, device=device)
     t0 = time.perf_counter()
     if a.mode == "reference":
-        runner = _Reference(a.flavor, device=device, ac=a.ac, loss_chunk=4096)
+        runner = _Reference(a.flavor, device=device, ac=a.ac, loss_chunk=4096, kernels=kernels)
     else:
         backend = build_backend(_config(a, routes[0] if a.mode == "slidedp" else "sharded/gpu"),
                                 args, device=device, dp_rank=rank, dp_world=world)
     if rank == 0:
-        print(f"[bench] {a.mode} {a.flavor} built in {time.perf_counter() - t0:.1f}s", flush=True)
+        print(f"[bench] {a.mode} {a.flavor} built in {time.perf_counter() - t0:.1f}s; "
+              f"{kernels.describe()} -> {attention_op}", flush=True)
+    specs = a.points or [f"{a.activation}:{a.batches}"]
+    points = [(policy, int(b), int(n)) for spec in specs for policy, batches in [spec.split(":")]
+              for b in batches.split(",") for n in a.accum.split(",")]
     for route in routes:
         if a.mode == "slidedp":
             backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
-        for batch, accum in ((int(b), int(n)) for b in a.batches.split(",") for n in a.accum.split(",")):
+        for policy, batch, accum in points:
+            if a.mode == "slidedp":
+                backend.set_activation(default=policy, keep_blocks=a.keep_blocks)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -167,7 +185,8 @@ def main() -> None:
                     extras.append(extra)
             step_time = statistics.median(times)
             row = {"mode": a.mode, "label": a.label, "flavor": a.flavor, "route": route,
-                   "ac": a.ac if a.mode != "slidedp" else a.activation,
+                   "kernels": kernels.name, "attention_op": attention_op,
+                   "ac": a.ac if a.mode != "slidedp" else policy,
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
                    "world": world, "seq": a.seq, "local_batch": batch, "accum": accum,
                    "max_norm": a.max_norm, "step_time_s": step_time,
@@ -188,34 +207,37 @@ def main() -> None:
 
 
 def report(paths: list[str]) -> str:
-    """Markdown table; ratios against the compute-only reference at the same batch and seq
-    (same checkpointing where both exist) and against the best FSDP2 throughput."""
+    """Markdown table; ratios against the compute-only reference at the same batch, seq and
+    kernels (same checkpointing where both exist) and against the best FSDP2 throughput on the
+    same kernels. Rows from before the kernel switch ran the torch kernels."""
     rows = [json.loads(line) for path in paths for line in open(path) if line.strip()]
-    refs = {(r["flavor"], r["local_batch"], r["seq"], r["ac"]): r["tokens_per_s"]
+    for r in rows:
+        r.setdefault("kernels", "torch")
+    refs = {(r["flavor"], r["kernels"], r["local_batch"], r["seq"], r["ac"]): r["tokens_per_s"]
             for r in rows if r["mode"] == "reference"}
-    best_fsdp2: dict[str, float] = {}
+    best_fsdp2: dict[tuple[str, str], float] = {}
     for r in rows:
         if r["mode"] == "fsdp2":
-            best_fsdp2[r["flavor"]] = max(best_fsdp2.get(r["flavor"], 0.0), r["tokens_per_s"])
-    lines = ["| model | system | route | activations | seq/GPU | tokens/s | TFLOP/s/GPU | MFU | peak GPU GiB (alloc/reserved) | host RSS GiB | vs reference | vs FSDP2 peak |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            key = (r["flavor"], r["kernels"])
+            best_fsdp2[key] = max(best_fsdp2.get(key, 0.0), r["tokens_per_s"])
+    lines = ["| model | kernels | system | route | activations | seq/GPU | tokens/s | TFLOP/s/GPU | MFU | peak GPU GiB (alloc/reserved) | host RSS GiB | vs reference | vs FSDP2 peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ac = r["ac"] + (f"+keep{r['keep_blocks']}" if r.get("keep_blocks") else "")
         ref_ac = "full" if r["ac"] == "recompute" else ("none" if r["ac"] == "keep" else r["ac"])
-        ref = refs.get((r["flavor"], r["local_batch"], r["seq"], ref_ac))
+        ref = refs.get((r["flavor"], r["kernels"], r["local_batch"], r["seq"], ref_ac))
         vs_ref = f"{r['tokens_per_s'] / ref:.1%}" if ref else "–"
-        peak = best_fsdp2.get(r["flavor"])
+        peak = best_fsdp2.get((r["flavor"], r["kernels"]))
         vs_fsdp = f"{r['tokens_per_s'] / peak:.3f}x" if peak else "–"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "–"
         mem = (f"{r['peak_mem_alloc_gib']:.1f}/{r['peak_mem_reserved_gib']:.1f}"
                if r.get("peak_mem_alloc_gib") is not None else "–")
         accum = r.get("accum", 1)
         batch = f"{r['local_batch']} ({accum}x{r['local_batch'] // accum})" if accum > 1 else r["local_batch"]
-        lines.append(f"| {r['flavor']} | {r['mode']}{' ' + r['label'] if r['label'] else ''} | {r['route']} | {ac} | "
-                     f"{batch} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | {mfu} | "
-                     f"{mem} | {r['peak_rss_gib']:.1f} | {vs_ref} | {vs_fsdp} |")
+        lines.append(f"| {r['flavor']} | {r['kernels']} | {r['mode']}{' ' + r['label'] if r['label'] else ''} | "
+                     f"{r['route']} | {ac} | {batch} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
+                     f"{mfu} | {mem} | {r['peak_rss_gib']:.1f} | {vs_ref} | {vs_fsdp} |")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()

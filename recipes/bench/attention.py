@@ -1,0 +1,95 @@
+"""Forward + backward time of causal GQA attention per SDPA backend, at a model's shapes.
+
+    python -m recipes.bench.attention --flavor qwen3-4B --seq 4096 --batches 1,4 --out attn.jsonl
+
+Each row: the backend asked for, the aten kernel that ran (a backend that cannot take the call
+is reported as such), the median time of forward + backward over `--iters` runs after a warm-up
+(CUDA events), and the output's relative error against FP32 math attention on the same inputs.
+This is what `[model] attention = "auto"`'s order is based on (docs/PERFORMANCE.md).
+"""
+
+import argparse
+import json
+import statistics
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from models.flavors import get_flavor
+from models.kernels import TORCH_KERNELS, sdpa_backend_used
+
+BACKENDS = ("cudnn", "flash", "efficient")
+
+
+def _time_ms(fn, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(flavor: str, *, seq: int, batch: int, iters: int) -> list[dict]:
+    args = get_flavor(flavor)
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(heads: int) -> torch.Tensor:
+        return torch.randn(batch, heads, seq, args.head_dim, device=device, dtype=torch.bfloat16,
+                           generator=g).requires_grad_()
+
+    q, k, v = randn(args.n_heads), randn(args.n_kv_heads), randn(args.n_kv_heads)
+    dout = torch.randn(batch, args.n_heads, seq, args.head_dim, device=device, dtype=torch.bfloat16,
+                       generator=g)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                         enable_gqa=True)
+    rows = []
+    for backend in BACKENDS:
+        kernels = replace(TORCH_KERNELS, attention=backend)
+        row = {"flavor": flavor, "seq": seq, "batch": batch, "backend": backend}
+        try:
+            row["attention_op"] = sdpa_backend_used(
+                kernels, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+                seq_len=seq, device=device)
+            out = kernels.sdpa(q, k, v)
+            row["rel_err_vs_fp32"] = ((out.float() - ref).norm() / ref.norm()).item()
+
+            def step():
+                kernels.sdpa(q, k, v).backward(dout)
+
+            row["fwd_bwd_ms"] = _time_ms(step, iters)
+            # Causal attention FLOPs: forward 2 matmuls, backward 5, each half of seq^2 x head_dim.
+            flops = 7 * 2 * batch * args.n_heads * seq * seq * args.head_dim / 2
+            row["tflops"] = flops / row["fwd_bwd_ms"] / 1e9
+        except RuntimeError as e:  # this backend cannot take the call at these shapes
+            row["error"] = str(e).splitlines()[0][:200]
+        rows.append(row)
+        q.grad = k.grad = v.grad = None
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flavor", default="qwen3-4B")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    for batch in (int(b) for b in a.batches.split(",")):
+        for row in measure(a.flavor, seq=a.seq, batch=batch, iters=a.iters):
+            print("[attention]", json.dumps(row), flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
