@@ -15,6 +15,7 @@ the compute reference, SlideDP's streamed blocks) calls the model through these 
 the same choice gives the same kernels everywhere.
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -31,8 +32,9 @@ AttentionChoice = Literal["auto", "cudnn", "flash", "efficient", "math"]
 
 # Tried in this order until one supports the call's shapes and dtype.
 _ATTENTION_BACKENDS: dict[str, list[SDPBackend]] = {
-    # Measured fastest on the H200 for Qwen3's shapes (docs/PERFORMANCE.md, fused-kernels section);
-    # torch's own default order puts flash first.
+    # Measured on the H200 at Qwen3's shapes (seq 4096, GQA 32/8 heads, head_dim 128; bench
+    # recipes/bench/attention.py): cuDNN's forward + backward is 1.9x faster than flash, which
+    # torch's own default order tries first.
     "auto": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
@@ -111,36 +113,38 @@ TORCH_KERNELS = Kernels(name="torch", rms_norm=_torch_rms_norm, rope=_torch_rope
 
 def _liger_kernels(attention: AttentionChoice) -> Kernels:
     """liger-kernel's ops (imported here: the package loads Triton, seconds the CPU path skips)."""
-    from liger_kernel.ops import (LigerFusedLinearCrossEntropyFunction, LigerRMSNormFunction,
-                                  LigerRopeFunction, LigerSiLUMulFunction)
+    from liger_kernel.transformers.functional import (liger_fused_linear_cross_entropy,
+                                                      liger_rms_norm, liger_rope, liger_swiglu)
 
     def rms_norm(x, weight, eps):
         # "llama" casting: the variance in FP32, the product in x's dtype (HF Qwen's RMSNorm).
-        return LigerRMSNormFunction.apply(x, weight, eps, 0.0, "llama", True)
+        return liger_rms_norm(x, weight, eps, casting_mode="llama")
 
     def rope(q, k, cos, sin):
         # Rotates q and k in place (they are fresh projection outputs nothing else saved).
-        return LigerRopeFunction.apply(q, k, cos.to(q.dtype), sin.to(q.dtype))
-
-    def swiglu(gate, up):
-        return LigerSiLUMulFunction.apply(gate, up)
+        return liger_rope(q, k, cos.to(q.dtype), sin.to(q.dtype))
 
     def linear_cross_entropy_sum(hidden, head_weight, labels, *, chunk_tokens=4096):
-        # The kernel picks its own chunk (about one hidden-sized block of logits), so
-        # chunk_tokens does not apply. Under autocast (mode single: FP32 weights) compute in the
-        # autocast dtype, as F.linear would, with autocast off inside so no op re-casts.
         h = hidden.reshape(-1, hidden.shape[-1])
+        (tokens, dim), vocab = h.shape, head_weight.shape[0]
+        # The kernel bounds its logits chunk to chunk_mem_const x (tokens x dim) elements: pick
+        # the constant that makes a chunk about chunk_tokens rows, as the plain path's are. Its
+        # default (one hidden-sized block) gives chunks of a few hundred rows, each of which
+        # re-reads and re-writes the whole head gradient: ~3% of a Qwen3-4B step.
+        chunk_mem_const = max(1, math.ceil(vocab * min(chunk_tokens, tokens) / (dim * tokens)))
+        # Under autocast (mode single: FP32 weights) compute in the autocast dtype, as F.linear
+        # would, with autocast off inside so that no op re-casts.
         device_type = h.device.type
         dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                  else h.dtype)
         with torch.autocast(device_type, enabled=False):
-            # FP32 accumulation of the head's gradient over the chunks (the plain path's
-            # autograd sums chunk gradients in the weight's dtype).
-            return LigerFusedLinearCrossEntropyFunction.apply(
-                h.to(dtype), head_weight.to(dtype), labels.reshape(-1), None, None, IGNORE_INDEX,
-                0.0, 0.0, "sum", None, False, torch.float32)[0]
+            # FP32 accumulation of the head's gradient over the chunks, as the plain path's
+            # single mode has it.
+            return liger_fused_linear_cross_entropy(
+                h.to(dtype), head_weight.to(dtype), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                reduction="sum", accum_dtype=torch.float32, chunk_mem_const=chunk_mem_const)
 
-    return Kernels(name="liger", rms_norm=rms_norm, rope=rope, swiglu=swiglu,
+    return Kernels(name="liger", rms_norm=rms_norm, rope=rope, swiglu=liger_swiglu,
                    linear_cross_entropy_sum=linear_cross_entropy_sum, attention=attention)
 
 

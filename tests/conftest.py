@@ -27,7 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for child processes: this repo importable, one thread per rank (the test
     machine has 2 cores shared by all ranks)."""
-    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", **extra)
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # keep the rest
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)
 
 
 def free_port() -> int:

@@ -4,7 +4,7 @@
 # Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2max slidedpcpu
 #         ncclctas reftrace recompute cpu16 clip clip1 slidedpmax refmax fsdp2same peak fsdp2_14 slidedp14
 #         fused-kernel stages (one H200, both [model] kernels side by side):
-#         kgputest attn actbytes ref4b ref8b fsdp4b slidedp4b slidedp8b slidedp8bplain
+#         kgputest attn actbytes ref4b ref8b refliger fsdp4b slidedp4b slidedp8b slidedp8bplain
 #         (each appends to OUT_DIR/runs.jsonl; traces go to OUT_DIR).
 set -uo pipefail
 out=$1; shift
@@ -82,6 +82,10 @@ for stage in "$@"; do
            run --mode reference --ac full --batches 16,32 --kernels liger --flavor qwen3-4B
            run --mode reference --ac none --batches 4 --kernels liger --attention flash --label flash \
              --flavor qwen3-4B ;;  # the model with flash attention instead of auto's order
+    refliger) run --mode reference --ac none --batches 1,2,4,6 --kernels liger --flavor qwen3-4B
+              run --mode reference --ac full --batches 16,32 --kernels liger --flavor qwen3-4B
+              run --mode reference --ac none --batches 1,2,3,4 --kernels liger --flavor qwen3-8B
+              run --mode reference --ac full --batches 16 --kernels liger --flavor qwen3-8B ;;
     ref8b) run --mode reference --ac none --batches 1,2,3 --kernels torch --flavor qwen3-8B
            run --mode reference --ac full --batches 16 --kernels torch --flavor qwen3-8B
            run --mode reference --ac none --batches 1,2,3,4,6 --kernels liger --flavor qwen3-8B

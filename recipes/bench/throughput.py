@@ -208,13 +208,14 @@ def main() -> None:
 
 def report(paths: list[str]) -> str:
     """Markdown table; ratios against the compute-only reference at the same batch, seq and
-    kernels (same checkpointing where both exist) and against the best FSDP2 throughput on the
-    same kernels. Rows from before the kernel switch ran the torch kernels."""
+    kernels (same checkpointing where both exist; an unlabelled reference row) and against the
+    best FSDP2 throughput on the same kernels. Rows from before the kernel switch ran the torch
+    kernels."""
     rows = [json.loads(line) for path in paths for line in open(path) if line.strip()]
     for r in rows:
         r.setdefault("kernels", "torch")
     refs = {(r["flavor"], r["kernels"], r["local_batch"], r["seq"], r["ac"]): r["tokens_per_s"]
-            for r in rows if r["mode"] == "reference"}
+            for r in rows if r["mode"] == "reference" and not r["label"]}  # labelled: variants
     best_fsdp2: dict[tuple[str, str], float] = {}
     for r in rows:
         if r["mode"] == "fsdp2":
