@@ -4,7 +4,7 @@
 # Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2max slidedpcpu
 #         ncclctas reftrace recompute cpu16 clip clip1 slidedpmax refmax fsdp2same peak fsdp2_14 slidedp14
 #         fused-kernel stages (one H200, both [model] kernels side by side):
-#         kgputest attn actbytes ref4b ref8b refliger fsdp4b slidedp4b slidedp8b slidedp8bplain
+#         kgputest attn actbytes ref4b ref8b refliger fsdp4b slidedp4b same4b slidedp8b slidedp8bplain
 #         (each appends to OUT_DIR/runs.jsonl; traces go to OUT_DIR).
 set -uo pipefail
 out=$1; shift
@@ -98,6 +98,20 @@ for stage in "$@"; do
                  --no-memory-check --points recompute:16 selective:16 keep:1,2,4
                timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0 \
                  --no-memory-check --points recompute:16,32 selective:16 keep:1,2,4,6 ;;
+    # One lease, side by side: FSDP2 and SlideDP at their best settings on both kernel paths, and
+    # the references they are compared with (the stages above measured the wider sweeps).
+    same4b) run --mode reference --ac none --batches 2 --kernels torch --flavor qwen3-4B
+            run --mode reference --ac none --batches 4 --kernels liger --flavor qwen3-4B
+            run --mode reference --ac full --batches 16 --kernels torch --flavor qwen3-4B
+            run --mode reference --ac full --batches 16 --kernels liger --flavor qwen3-4B
+            run --mode fsdp2 --ac none --batches 2,3 --kernels torch --flavor qwen3-4B
+            run --mode fsdp2 --ac full --batches 16 --kernels torch --flavor qwen3-4B
+            run --mode fsdp2 --ac none --batches 2,3,4,5 --kernels liger --flavor qwen3-4B
+            run --mode fsdp2 --ac full --batches 16 --kernels liger --flavor qwen3-4B
+            timeout 150 "${bench[@]}" --mode slidedp --kernels torch --flavor qwen3-4B --max-norm 0 \
+              --no-memory-check --points recompute:16 selective:16 keep:4
+            timeout 150 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0 \
+              --no-memory-check --points recompute:16 selective:16 keep:4,6 ;;
     slidedp8b) timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 0 \
                  --no-memory-check --points recompute:16 keep:1,2,3 ;;
     slidedp8bplain) timeout 200 "${bench[@]}" --mode slidedp --kernels torch --flavor qwen3-8B \

@@ -123,7 +123,7 @@ def main() -> None:
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world > 1:
+    if world > 1 or a.mode == "fsdp2":  # FSDP2 needs a process group even alone
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     args = get_flavor(a.flavor)
     routes = a.routes.split(",") if a.mode == "slidedp" else ["-"]
@@ -202,7 +202,7 @@ def main() -> None:
                     f.write(json.dumps(row) + "\n")
     if a.mode != "reference":
         backend.close()
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
