@@ -69,7 +69,8 @@ class Training:
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the output head + cross-entropy (bounds the logits' memory)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
-    """Compute dtype; master weights and optimizer state are always FP32."""
+    """Compute dtype of single and fsdp2 (slidedp computes in BF16); master weights and optimizer
+    state are always FP32."""
     init_on_meta: bool = False
     """Create weights on the meta device, init them in place after sharding (fast; fsdp2)."""
 

@@ -211,6 +211,15 @@ def _describe_model(name: str, args: QwenArgs) -> str:
     return f"model {name}: {n:,} parameters ({n / 1e9:.2f}B{versus}), {args.n_layers} layers"
 
 
+def _describe_compute(config: JobConfig) -> str:
+    """What the devices compute in: training.dtype, except in SlideDP, whose GPU window holds
+    BF16 weights whatever training.dtype says (said only where the two differ)."""
+    dtype = config.training.dtype
+    if config.parallelism.mode != "slidedp" or dtype == "bf16":
+        return f"{dtype} compute"
+    return f"bf16 compute (training.dtype = {dtype!r} applies to single and fsdp2)"
+
+
 def _init_distributed(device: torch.device, *, world: int) -> None:
     """The default process group: torchrun's env:// rendezvous, or a one-rank group in-process
     (FSDP2 and SlideDP need one even alone)."""
@@ -254,8 +263,9 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
     logger.info("%s", _describe_model(name, args))
     batches = build_batches(config, args, dp_rank=rank, dp_world=world)
     step_tokens = training.local_batch_size * training.seq_len * training.grad_accum_steps * world
-    logger.info("mode %s on %d x %s, %s compute, global batch %d tokens (%d x %d seq x %d accum "
-                "x %d ranks)", config.parallelism.mode, world, device.type, training.dtype,
+    logger.info("mode %s on %d x %s, %s, global batch %d tokens (%d x %d seq x %d accum "
+                "x %d ranks)", config.parallelism.mode, world, device.type,
+                _describe_compute(config),
                 step_tokens, training.local_batch_size, training.seq_len,
                 training.grad_accum_steps, world)
     torch.manual_seed(training.seed)
