@@ -124,9 +124,9 @@ class Checkpoint:
 @dataclass
 class Metrics:
     log_freq: int = 10
-    """Print a metrics line every this many steps (and at the last step)."""
+    """Print the progress line every this many steps (and at the first and the last)."""
     enable_tensorboard: bool = True
-    """Write TensorBoard events to <dump_folder>/tb (rank 0)."""
+    """Write TensorBoard events to <dump_folder>/tb/<run> (a folder per run; rank 0)."""
     jsonl: bool = True
     """Write one JSON object per step to <dump_folder>/metrics.jsonl (rank 0)."""
 
