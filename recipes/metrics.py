@@ -1,10 +1,10 @@
 """Per-step metrics: throughput and memory counters, written by rank 0 to metrics.jsonl, to a
 TensorBoard run folder of its own, and as a progress line.
 
-Definitions (docs/DESIGN.md §7): tokens/s is the step's global tokens over its wall time; model
-FLOPs per token are `QwenArgs.flops_per_token(seq_len)` = 6·N (all parameters) + causal attention
-6·L·seq·(heads·head_dim), recomputation not counted; TFLOP/s per GPU and MFU exist only on CUDA
-devices (a CPU run has neither a GPU nor its peak, so they are not reported there).
+Definitions (docs/DESIGN.md §7.1): tokens/s is the step's global tokens over its wall time;
+model FLOPs per token are `QwenArgs.flops_per_token(seq_len)` = 6·N (all parameters) + causal
+attention 6·L·seq·(heads·head_dim), recomputation not counted; TFLOP/s per GPU and MFU exist only
+on CUDA devices (a CPU run has neither a GPU nor its peak, so they are not reported there).
 
 A resumed run continues its predecessor's records: metrics.jsonl keeps the rows up to the step it
 resumes from (rewritten atomically, so a crash leaves the old file or the new one), and its
@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 PEAK_BF16_TFLOPS = 779.0
-"""Measured BF16 GEMM throughput of one H200 (docs/DESIGN.md §7): the MFU denominator."""
+"""Measured BF16 GEMM throughput of one H200 (docs/DESIGN.md §7.1): the MFU denominator."""
 
 _GIB = 2**30
 

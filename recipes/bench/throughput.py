@@ -8,7 +8,7 @@ process group and one model build, so peers can be measured side by side on the 
     python -m recipes.bench.throughput --report runs.jsonl          # markdown table + ratios
 
 Modes: slidedp and fsdp2 train for real (synthetic tokens, AdamW); `reference` is the
-compute-only reference of docs/DESIGN.md §7: the BF16 model resident on each GPU,
+compute-only reference of docs/DESIGN.md §7.1: the BF16 model resident on each GPU,
 forward+backward only, no host traffic and no communication (each rank alone; the global rate is
 the per-GPU rate x ranks).
 Each point: `--warmup` steps, then the median of `--steps` timed steps (device synchronized).
