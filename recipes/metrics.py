@@ -173,6 +173,7 @@ class MetricsLogger:
             logger.info("TensorBoard run %s (tensorboard --logdir %s)", runs / self.run_name, runs)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record one step: `metrics` holds at least what `format_line` prints."""
         if not self.enabled:
             return
         eta_s = self.progress.eta_s(step, metrics["step_time_s"])
