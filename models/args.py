@@ -53,7 +53,7 @@ class QwenArgs:
         return emb + head + self.n_layers * self.block_params() + self.dim
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token as DESIGN.md counts them: 6·N (all parameters) plus causal
-        attention 6·L·seq·(n_heads·head_dim); recomputation is not counted."""
+        """Training FLOPs per token as docs/DESIGN.md §7.1 counts them: 6·N (all parameters)
+        plus causal attention 6·L·seq·(n_heads·head_dim); recomputation is not counted."""
         attn = 6.0 * self.n_layers * seq_len * self.n_heads * self.head_dim
         return 6.0 * self.num_params() + attn

@@ -77,7 +77,8 @@ class Training:
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the output head + cross-entropy (bounds the logits' memory)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
-    """Compute dtype; master weights and optimizer state are always FP32."""
+    """Compute dtype of single and fsdp2 (slidedp computes in BF16); master weights and optimizer
+    state are always FP32."""
     init_on_meta: bool = False
     """Create weights on the meta device, init them in place after sharding (fast; fsdp2)."""
 
@@ -131,9 +132,9 @@ class Checkpoint:
 @dataclass
 class Metrics:
     log_freq: int = 10
-    """Print a metrics line every this many steps (and at the last step)."""
+    """Print the progress line every this many steps (and at the first and the last)."""
     enable_tensorboard: bool = True
-    """Write TensorBoard events to <dump_folder>/tb (rank 0)."""
+    """Write TensorBoard events to <dump_folder>/tb/<run> (a folder per run; rank 0)."""
     jsonl: bool = True
     """Write one JSON object per step to <dump_folder>/metrics.jsonl (rank 0)."""
 

@@ -29,7 +29,7 @@ from recipes.checkpoint import (FORMAT_VERSION, TRAIN_STATE, read_meta, save_tra
 from recipes.config import (ConfigError, JobConfig, parse_config, resolve_model,
                             resolve_resume_dir)
 from recipes.lr_schedule import LRSchedule
-from recipes.metrics import MetricsLogger, memory, throughput
+from recipes.metrics import MetricsLogger, memory, new_run_name, throughput
 from recipes.parallelize import build_backend, build_kernels
 
 logger = logging.getLogger("recipes")
@@ -181,13 +181,15 @@ def _run_meta(config: JobConfig, name: str, args: QwenArgs, *, world: int) -> di
             "num_params": args.num_params(), "seed": config.training.seed}
 
 
-def check_resumable(directory: Path, *, run_meta: dict[str, Any]) -> None:
-    """The saved run has this run's shape: before anything is built, one line if not."""
+def check_resumable(directory: Path, *, run_meta: dict[str, Any]) -> dict[str, Any]:
+    """The saved run has this run's shape: before anything is built, one line if not. Returns
+    the save's meta.json."""
     meta = read_meta(directory)
     for key, value in {"format_version": FORMAT_VERSION, **run_meta}.items():
         if meta.get(key) != value:
             raise ConfigError(f"checkpoint.resume_from: {directory} was saved with {key} = "
                               f"{meta.get(key)!r}, this run has {value!r}; resume with the same")
+    return meta
 
 
 def load_checkpoint(backend: TrainBackend, data: BatchSource, directory: Path) -> int:
@@ -224,6 +226,15 @@ def _log_kernels(config: JobConfig, args: QwenArgs, *, device: torch.device) -> 
     logger.info("%s", line)
     if kernels.note:
         logger.info("%s", kernels.note)
+
+
+def _describe_compute(config: JobConfig) -> str:
+    """What the devices compute in: training.dtype, except in SlideDP, whose GPU window holds
+    BF16 weights whatever training.dtype says (said only where the two differ)."""
+    dtype = config.training.dtype
+    if config.parallelism.mode != "slidedp" or dtype == "bf16":
+        return f"{dtype} compute"
+    return f"bf16 compute (training.dtype = {dtype!r} applies to single and fsdp2)"
 
 
 def _init_distributed(device: torch.device, *, world: int) -> None:
@@ -270,22 +281,27 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
     _log_kernels(config, args, device=device)
     batches = build_batches(config, args, dp_rank=rank, dp_world=world)
     step_tokens = training.local_batch_size * training.seq_len * training.grad_accum_steps * world
-    logger.info("mode %s on %d x %s, %s compute, global batch %d tokens (%d x %d seq x %d accum "
-                "x %d ranks)", config.parallelism.mode, world, device.type, training.dtype,
+    logger.info("mode %s on %d x %s, %s, global batch %d tokens (%d x %d seq x %d accum "
+                "x %d ranks)", config.parallelism.mode, world, device.type,
+                _describe_compute(config),
                 step_tokens, training.local_batch_size, training.seq_len,
                 training.grad_accum_steps, world)
     torch.manual_seed(training.seed)
     run_meta = _run_meta(config, name, args, world=world)
     resume_dir = resolve_resume_dir(config.checkpoint) if config.checkpoint.resume_from else None
+    # A resumed run continues the metrics of the run it resumes (its TensorBoard run name is in
+    # the save's meta.json; saves from before it was recorded get a new one).
+    resume_step, run_name = 0, new_run_name(config.parallelism.mode)
     if resume_dir is not None:
-        check_resumable(resume_dir, run_meta=run_meta)
+        saved = check_resumable(resume_dir, run_meta=run_meta)
+        resume_step, run_name = saved["step"], saved.get("run_name", run_name)
     backend = build_backend(config, args, device=device, dp_rank=rank, dp_world=world)
     schedule = build_lr_schedule(config)
     metrics = MetricsLogger(config.job.dump_folder, enabled=rank == 0,
-                            log_freq=config.metrics.log_freq, last_step=training.steps,
+                            log_freq=config.metrics.log_freq, total_steps=training.steps,
                             jsonl=config.metrics.jsonl,
                             tensorboard=config.metrics.enable_tensorboard,
-                            append=resume_dir is not None)
+                            run_name=run_name, start_step=resume_step)
     flops_per_token = args.flops_per_token(training.seq_len)
     interval, save_dir = config.checkpoint.interval, config.checkpoint.save_dir
     try:
@@ -305,7 +321,8 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
                 **memory(device), "step_time_s": out.step_time, **out.result.extra})
             if save_dir and (out.step == training.steps or (interval and out.step % interval == 0)):
                 save_checkpoint(backend, config, args, step=out.step, rank=rank,
-                                run_meta=run_meta, data=batches)
+                                run_meta={**run_meta, "run_name": metrics.run_name},
+                                data=batches)
     finally:
         metrics.close()
         backend.close()

@@ -5,6 +5,7 @@
   host_state.py   the shared-memory FP32 master + Adam moments (+ BF16 shadow)
   delivery.py     host->GPU parameter routes (replicated | sharded)
   update.py       GPU->host gradient routes (gpu | cpu reduction) and the CPU AdamW
+  collectives.py  the routes' all-gather / reduce-scatter under this torch's names
   cpu_adam.py     the C++ fused AdamW and gradient-sum kernels (csrc/), torch fallback
   schedule.py     which unit uses which GPU buffer, and when a delivery is needed
   activations.py  per-block activation policy (keep | recompute | selective)

@@ -9,6 +9,7 @@ Two routes over the same host layout:
 import torch
 import torch.distributed as dist
 
+from slidedp.collectives import all_gather_single
 from slidedp.host_state import SharedHostState
 from slidedp.layout import Unit
 from slidedp.streams import Streams
@@ -62,6 +63,6 @@ class Delivery:
                     self._staging_events[k % 2] = self.streams.record(self.stream)
             self.traffic.h2d += (hi - lo) * 2
             if self.route == "sharded" and self.world > 1:
-                dist.all_gather_into_tensor(dst[:unit.padded], dst[lo:hi], group=self.group)
+                all_gather_single(dst[:unit.padded], dst[lo:hi], group=self.group)
                 self.traffic.all_gather += (unit.padded - (hi - lo)) * 2
             return self.streams.record(self.stream)

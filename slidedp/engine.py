@@ -66,9 +66,6 @@ class SlideDPBackend:
                              grad_accum=tr.grad_accum_steps > 1 or tr.max_norm > 0,
                              cpu_staging=cfg.reduction == "cpu")
         self._check_host_memory(plan)
-        if tr.dtype != "bf16" and dp_rank == 0:
-            print(f"[slidedp] computes in BF16 on the GPUs whatever training.dtype says "
-                  f"({tr.dtype!r}); master weights and Adam states are FP32", flush=True)
         self.set_activation(default=cfg.activation, keep_blocks=cfg.keep_blocks)
 
         distributed = dp_world > 1

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from slidedp import cpu_adam
+from slidedp.collectives import reduce_scatter_single
 from slidedp.host_state import SharedHostState
 from slidedp.layout import Unit
 from slidedp.streams import Streams
@@ -86,7 +87,7 @@ class GradientReturn:
     def _gpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, *, norm: bool):
         shard = torch.empty(hi - lo, dtype=flat_grad.dtype, device=flat_grad.device)
         if self.world > 1:
-            dist.reduce_scatter_tensor(shard, flat_grad, group=self.group)
+            reduce_scatter_single(shard, flat_grad, group=self.group)
             self.traffic.reduce_scatter += (unit.padded - (hi - lo)) * 2
         else:
             shard.copy_(flat_grad)

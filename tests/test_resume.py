@@ -2,15 +2,18 @@
 resumed from that save reproduces the uninterrupted run's remaining losses and gradient norms
 bit for bit, and ends with identical weights and optimizer state, in every mode. Exact, not
 approximate: both runs execute the same operations in the same order on the same data (same
-thread counts, same reduction order), so nothing can round differently."""
+thread counts, same reduction order), so nothing can round differently. The resumed run continues
+the first one's metrics.jsonl and TensorBoard run, every step once."""
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from models.flavors import get_flavor
@@ -67,6 +70,14 @@ def assert_resumed_exactly(full: list[dict], resumed: list[dict]) -> None:
         assert [r[key] for r in resumed] == [r[key] for r in full], key
 
 
+def tensorboard_losses(out: Path) -> list[tuple[int, float]]:
+    """(step, loss) of the one TensorBoard run under out/tb, as TensorBoard shows them."""
+    (run,) = os.listdir(out / "tb")
+    accumulator = EventAccumulator(str(out / "tb" / run))
+    accumulator.Reload()
+    return [(s.step, s.value) for s in accumulator.Scalars("loss")]
+
+
 def keep_first_half_of_metrics(src: Path, dst: Path) -> None:
     """metrics.jsonl as a crash right after the half's save leaves it."""
     lines = (src / "metrics.jsonl").read_text().splitlines(keepends=True)
@@ -90,11 +101,14 @@ def test_single_resumes_latest_after_a_crash(tmp_path):
     out = tmp_path / "run"
     full = train(out, "single")
     expected = train_state(out / "hf" / f"step-{STEPS}", tmp_path)
-    keep_first_half_of_metrics(out, out)
     cut_last_save_short(out)
     assert latest_checkpoint(str(out / "hf")) == out / "hf" / f"step-{HALF}"
+    # The crashed run had logged every step past the save, and was killed writing one more row.
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": ')
     resumed = train(out, "single", "--checkpoint.resume_from=latest")
-    assert_resumed_exactly(full, resumed)  # metrics.jsonl was appended to
+    assert_resumed_exactly(full, resumed)  # each step once: the rows past the save were dropped
+    assert tensorboard_losses(out) == [(r["step"], pytest.approx(r["loss"])) for r in full]
     assert_same_state(train_state(out / "hf" / f"step-{STEPS}", tmp_path), expected)
 
 
@@ -109,6 +123,10 @@ def test_two_ranks_resume_exactly(mode, slidedp_run, tmp_path):
     keep_first_half_of_metrics(first, second)
     resumed = train(second, mode, f"--checkpoint.resume_from={first}/hf/step-{HALF}")
     assert_resumed_exactly(full, resumed)
+    # Its TensorBoard run has the name of the run it resumes, and the steps after the save.
+    assert os.listdir(second / "tb") == os.listdir(first / "tb")
+    assert tensorboard_losses(second) == [(r["step"], pytest.approx(r["loss"]))
+                                          for r in full[HALF:]]
     final = f"hf/step-{STEPS}"
     assert_same_state(train_state(second / final, tmp_path), train_state(first / final, tmp_path))
     assert_same_state(load_file(second / final / "model.safetensors"),

@@ -1,10 +1,12 @@
 """End to end through ./run_train.sh with the debug config: the loss falls, every step is logged,
 TensorBoard events and a reloadable Hugging Face checkpoint are written; two FSDP2 ranks on the
-same global batch follow the same losses."""
+same global batch follow the same losses. In every mode the output is the progress lines and the
+run's facts only: no Python warnings, no GPU figures on the CPU."""
 
 import json
 import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -18,12 +20,12 @@ from tests.conftest import REPO
 
 STEPS = 40
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "target_tokens", "tokens_per_s",
-               "tflops_per_gpu", "mfu", "peak_mem_alloc_gib", "peak_mem_reserved_gib",
-               "peak_rss_gib", "step_time_s"}
+               "peak_mem_alloc_gib", "peak_mem_reserved_gib", "peak_rss_gib", "step_time_s"}
+GPU_FIGURES = {"tflops_per_gpu", "mfu"}
 
 
-def run_train(out, *flags: str, ngpu: int = 1, steps: int = STEPS) -> list[dict]:
-    """./run_train.sh with the debug config into `out`; returns metrics.jsonl's records."""
+def launch(out, *flags: str, ngpu: int = 1, steps: int = STEPS) -> str:
+    """./run_train.sh with the debug config into `out`; returns its stdout and stderr."""
     env = dict(os.environ, NGPU=str(ngpu))
     env.pop("OMP_NUM_THREADS", None)  # let run_train.sh split the cores between ranks
     proc = subprocess.run(
@@ -32,26 +34,51 @@ def run_train(out, *flags: str, ngpu: int = 1, steps: int = STEPS) -> list[dict]
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "model qwen3-debug: 205,504 parameters" in proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def read_metrics(out) -> list[dict]:
     with open(out / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+def run_train(out, *flags: str, ngpu: int = 1, steps: int = STEPS) -> list[dict]:
+    """./run_train.sh with the debug config into `out`; returns metrics.jsonl's records."""
+    launch(out, *flags, ngpu=ngpu, steps=steps)
+    return read_metrics(out)
+
+
+def assert_quiet(output: str) -> None:
+    """A normal run prints its facts and progress lines, not warnings or notices."""
+    # The one warning a machine may deserve: no C++ compiler for the CPU Adam kernel.
+    warnings = [line for line in output.splitlines() if re.search(r"\w+Warning\b", line)
+                and "CPU Adam kernel unavailable" not in line]
+    assert not warnings, output[-5000:]
+    assert "computes in BF16" not in output
+    assert "TFLOP" not in output and "mfu" not in output  # the CPU has no GPU figures
+    assert re.search(rf"step {STEPS}/{STEPS} 100\.0% \| .* tok/s \| .* \| eta 0s\n", output)
 
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    return out, run_train(out)
+    output = launch(out)
+    return out, read_metrics(out), output
 
 
 def test_debug_config_trains_logs_and_saves(single_run):
-    out, records = single_run
+    out, records, output = single_run
+    assert_quiet(output)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
-        assert set(r) >= METRIC_KEYS
-        assert r["mfu"] is None and r["peak_mem_alloc_gib"] is None  # CPU: no device counters
+        assert set(r) >= METRIC_KEYS and not set(r) & GPU_FIGURES
+        assert r["peak_mem_alloc_gib"] is None  # CPU: no device counters
         assert r["tokens_per_s"] > 0 and r["peak_rss_gib"] > 0
     assert records[0]["loss"] == pytest.approx(math.log(512), abs=0.3)
     assert records[-1]["loss"] < 3.0
-    assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tb"))
+    (run,) = os.listdir(out / "tb")  # this run's own folder, <YYYYmmdd-HHMMSS>-single
+    assert re.fullmatch(r"\d{8}-\d{6}-single", run)
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(out / "tb" / run))
 
     hf_dir = out / "hf" / f"step-{STEPS}"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(hf_dir))
@@ -70,10 +97,11 @@ def test_debug_config_trains_logs_and_saves(single_run):
 
 
 def test_two_fsdp2_ranks_follow_the_single_run(single_run, tmp_path):
-    _, single = single_run
+    _, single, _ = single_run
     # Same global batch: 2 ranks x 4 samples = the debug config's 8.
-    records = run_train(tmp_path, "--parallelism.mode=fsdp2", "--training.local_batch_size=4",
-                        ngpu=2)
+    assert_quiet(launch(tmp_path, "--parallelism.mode=fsdp2", "--training.local_batch_size=4",
+                        ngpu=2))
+    records = read_metrics(tmp_path)
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in single], rel=1e-3)
     assert [r["target_tokens"] for r in records] == [r["target_tokens"] for r in single]
     assert (tmp_path / "hf" / f"step-{STEPS}" / "model.safetensors").is_file()
@@ -82,9 +110,13 @@ def test_two_fsdp2_ranks_follow_the_single_run(single_run, tmp_path):
 def test_two_slidedp_ranks_train_the_debug_model(single_run, tmp_path):
     """`parallelism.mode = "slidedp"` through the CLI: same data, same loss curve within BF16
     compute noise (the single run computes in FP32), and an HF checkpoint from the host state."""
-    _, single = single_run
-    records = run_train(tmp_path, "--parallelism.mode=slidedp", "--training.local_batch_size=4",
-                        ngpu=2)
+    _, single, _ = single_run
+    output = launch(tmp_path, "--parallelism.mode=slidedp", "--training.local_batch_size=4",
+                    ngpu=2)
+    assert_quiet(output)
+    # The start-up line says what SlideDP computes in, whatever training.dtype (fp32 here) says.
+    assert "mode slidedp on 2 x cpu, bf16 compute (training.dtype = 'fp32' applies" in output
+    records = read_metrics(tmp_path)
     assert [r["target_tokens"] for r in records] == [r["target_tokens"] for r in single]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in single], rel=3e-2)
     assert records[-1]["traffic_h2d_mb"] > 0 and records[-1]["traffic_reduce_scatter_mb"] > 0

@@ -7,9 +7,10 @@ process group and one model build, so peers can be measured side by side on the 
     torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode reference --ac full ...
     python -m recipes.bench.throughput --report runs.jsonl          # markdown table + ratios
 
-Modes: slidedp and fsdp2 train for real (synthetic tokens, AdamW); `reference` is DESIGN.md's
-compute-only reference: the BF16 model resident on each GPU, forward+backward only, no host
-traffic and no communication (each rank alone; the global rate is the per-GPU rate x ranks).
+Modes: slidedp and fsdp2 train for real (synthetic tokens, AdamW); `reference` is the
+compute-only reference of docs/DESIGN.md §7.1: the BF16 model resident on each GPU,
+forward+backward only, no host traffic and no communication (each rank alone; the global rate is
+the per-GPU rate x ranks).
 Each point: `--warmup` steps, then the median of `--steps` timed steps (device synchronized).
 """
 
@@ -231,12 +232,13 @@ def report(paths: list[str]) -> str:
         peak = best_fsdp2.get((r["flavor"], r["kernels"]))
         vs_fsdp = f"{r['tokens_per_s'] / peak:.3f}x" if peak else "–"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "–"
+        tflops = f"{r['tflops_per_gpu']:.0f}" if "tflops_per_gpu" in r else "–"  # CPU rows: none
         mem = (f"{r['peak_mem_alloc_gib']:.1f}/{r['peak_mem_reserved_gib']:.1f}"
                if r.get("peak_mem_alloc_gib") is not None else "–")
         accum = r.get("accum", 1)
         batch = f"{r['local_batch']} ({accum}x{r['local_batch'] // accum})" if accum > 1 else r["local_batch"]
         lines.append(f"| {r['flavor']} | {r['kernels']} | {r['mode']}{' ' + r['label'] if r['label'] else ''} | "
-                     f"{r['route']} | {ac} | {batch} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | "
+                     f"{r['route']} | {ac} | {batch} | {r['tokens_per_s']:,.0f} | {tflops} | "
                      f"{mfu} | {mem} | {r['peak_rss_gib']:.1f} | {vs_ref} | {vs_fsdp} |")
     return "\n".join(lines)
 
