@@ -18,11 +18,15 @@ class SlideDPConfig:
     chunk_mib: float = 32.0
     """Chunk size in MiB for the cast/H2D and D2H/update pipelines inside a block."""
     activation: str = "recompute"
-    """Default activation policy per block: "keep" (on GPU), "recompute" (full recompute) or
-    "selective" (recompute all but attention, whose outputs are kept)."""
+    """Activation policy of every block: "keep", "recompute", "selective" (attention outputs
+    saved), "segments(S+S...)" (the named block segments kept, the rest replayed),
+    "ops(matmul+attention)" (those ops' outputs saved), each optionally "@offload=F" (a fraction
+    F of what the block saves goes to host memory); README "Activation policies"."""
+    activation_blocks: str = ""
+    """Per-block overrides, "BLOCKS:POLICY, ..." with BLOCKS one block or FIRST-LAST (0-based,
+    inclusive), e.g. "0-3:keep, 30-35:recompute@offload=0.5"; a later entry wins."""
     keep_blocks: int = 0
-    """The first N blocks keep activations on GPU regardless of `activation` (seam for the
-    per-block elastic policy)."""
+    """Shorthand: the first N blocks keep (before activation_blocks applies)."""
     cpu_threads: int = 0
     """CPU Adam threads per rank; 0 = this rank's share of the host's cores."""
     bf16_shadow: bool = True

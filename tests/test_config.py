@@ -71,6 +71,10 @@ def test_cli_overrides_toml_overrides_defaults(tmp_path):
     ('[slidedp]\ndelivery = "both"\n', "slidedp.delivery"),
     ('[slidedp]\nreduction = "host"\n', "slidedp.reduction"),
     ('[slidedp]\nactivation = "offload"\n', "slidedp.activation"),
+    ('[slidedp]\nactivation = "segments(qkvv)"\n', "slidedp.activation"),
+    ('[slidedp]\nactivation = "recompute@offload=2"\n', "slidedp.activation"),
+    ('[slidedp]\nactivation_blocks = "4:keep"\n', "slidedp.activation_blocks"),  # 4 blocks: 0-3
+    ('[slidedp]\nkeep_blocks = 5\n', "slidedp.keep_blocks"),
     ('[model]\nflavor = "qwen3-9B"\n', "model.flavor"),
     ('[model]\ntokenizer_dir = "/nonexistent/tok"\n', "model.tokenizer_dir"),
     ('[model]\nhf_dir = "/nonexistent/model"\n', "model.hf_dir"),
@@ -93,6 +97,7 @@ def test_missing_config_file():
     ("--slidedp.reduction=host", "slidedp.reduction"),  # a plain-str field: checked after tyro
     ("--training.grad_accum_steps=0", "training.grad_accum_steps"),
     ("--training.dataset_path=/nonexistent", "training.dataset_path"),
+    ("--slidedp.activation_blocks=0-1:kep", "slidedp.activation_blocks"),
 ])
 def test_cli_mistakes_are_one_line_naming_the_key(flag, key):
     assert key in parse_error([flag])
