@@ -33,5 +33,5 @@ class SlideDPConfig:
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
     so delivery is a plain copy (2 bytes/param more host memory, half the cast work)."""
     check_host_memory: bool = True
-    """Refuse to start when the host state exceeds MemAvailable (off for VMs whose memory grows
-    on demand and under-reports at start)."""
+    """Refuse to start when the host state and the ranks' activation offload pools exceed
+    MemAvailable (off for VMs whose memory grows on demand and under-reports at start)."""
