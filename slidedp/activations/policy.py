@@ -159,7 +159,9 @@ def _save_ops(ops: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 @dataclass(frozen=True, kw_only=True)
 class SavedOps(ActivationPolicy):
-    """Full recompute that saves the outputs of some aten ops (module docstring)."""
+    """Full recompute that saves the outputs of some aten ops (module docstring). With the liger
+    kernels RMSNorm, RoPE and SwiGLU are custom autograd Functions, not aten ops: they are
+    always replayed, whatever `ops` names."""
 
     ops: frozenset[str] = frozenset({"attention"})
     """Names from OP_CLASSES."""
