@@ -23,7 +23,7 @@ import torch.distributed as dist
 from models.args import QwenArgs
 from models.flavors import PUBLISHED_BILLIONS
 from models.loss import IGNORE_INDEX
-from recipes.backend import Batch, StepResult, TrainBackend
+from protocols.backend import Batch, StepResult, TrainBackend
 from recipes.checkpoint import (FORMAT_VERSION, TRAIN_STATE, read_meta, save_train_state,
                                 step_dir)
 from recipes.config import (ConfigError, JobConfig, parse_config, resolve_model,

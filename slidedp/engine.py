@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from models.args import QwenArgs
 from models.kernels import resolve_kernels
 from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
-from recipes.backend import Batch, StepResult
+from protocols.backend import Batch, StepResult
 from slidedp import cpu_adam
 from slidedp.activations import WeightRefs, block_policies, save_attention_context
 from slidedp.delivery import Delivery
