@@ -35,10 +35,12 @@ heads = n_heads.
 
 logits: one chunk of the loss, min(loss_chunk_tokens, tokens) x vocab x LOGITS_BYTES.
 
-Every constant that calibration may change is in the block below. They are derived from the
-code, not fitted; against the peaks measured on 2 x H200 (docs/PERFORMANCE.md, Qwen3-8B and 14B,
-fsdp2 and slidedp) the estimate is 0-15% above the measured allocation
-(tests/test_preflight.py::test_estimate_is_near_the_measured_peak).
+Every constant that calibration may change is in the block below. They are counted from the
+code (LOGITS_BYTES and the embedding's gradient were revised after comparing with the peaks
+measured on 2 x H200, docs/PERFORMANCE.md): for Qwen3-8B and 14B under fsdp2 and slidedp the
+estimate is 0-15% above the measured allocation
+(tests/test_preflight.py::test_estimate_is_near_the_measured_peak). Not measured: mode single,
+whose autocast keeps the residual stream in FP32 (its activations count as the compute dtype's).
 """
 
 import math
@@ -142,7 +144,8 @@ def _resident_and_gradients(config, args: QwenArgs, *, world: int,
     block = args.block_params()
     if mode == "fsdp2":
         root = n - args.n_layers * block
-        resident = math.ceil(n * 12 / world) + (root + FSDP_UNSHARDED_BLOCKS * block) * compute_bytes
+        unsharded = (root + FSDP_UNSHARDED_BLOCKS * block) * compute_bytes
+        resident = math.ceil(n * 12 / world) + unsharded
         return resident, math.ceil(n * 4 / world) + (root + block) * (compute_bytes + 4)
     layout = StateLayout(args, world=world)
     buffers = (config.slidedp.window_slots * layout.block_padded + layout.embed.padded

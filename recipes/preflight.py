@@ -116,7 +116,8 @@ def check_resumable(directory: Path, *, meta: dict[str, Any]) -> None:
     try:
         saved = read_meta(directory)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint.resume_from: {directory}: unreadable meta.json ({e})") from None
+        raise ConfigError(f"checkpoint.resume_from: {directory}: unreadable meta.json "
+                          f"({e})") from None
     for key, value in {"format_version": FORMAT_VERSION, **meta}.items():
         if saved.get(key) != value:
             raise ConfigError(f"checkpoint.resume_from: {directory} was saved with {key} = "
@@ -141,10 +142,10 @@ def check_device_memory(config: JobConfig, args: QwenArgs, *, world: int, capaci
                  '"slidedp", or "fsdp2" over more ranks'
     else:
         advice = "lower training.seq_len or training.loss_chunk_tokens"
-    if mode == "slidedp" and config.slidedp.activation == "keep" or \
-            mode != "slidedp" and config.activation_checkpoint.mode == "none":
-        advice += ", or recompute activations (" + ("slidedp.activation" if mode == "slidedp"
-                                                    else "activation_checkpoint.mode") + ")"
+    if mode == "slidedp" and config.slidedp.activation == "keep":
+        advice += ', or set slidedp.activation = "recompute"'
+    elif mode != "slidedp" and config.activation_checkpoint.mode == "none":
+        advice += ', or set activation_checkpoint.mode = "full"'
     raise ConfigError(f'parallelism.mode = "{mode}" with training.local_batch_size = '
                       f"{config.training.local_batch_size} x seq_len {config.training.seq_len} "
                       f"needs about {_gib(est.total)} per device ({parts}), the device has "

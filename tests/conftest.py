@@ -38,7 +38,8 @@ def free_port() -> int:
 
 
 def run_torchrun(args: list[str], *, nproc: int, timeout: float = 600,
-                 env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+                 env: dict[str, str] | None = None,
+                 check: bool = True) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=nproc ARGS` (e.g. ["-m", "recipes.train", ...]) from
     the repo root; with `check`, fails the test with the output's tail unless every rank exits 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
