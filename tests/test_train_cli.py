@@ -132,8 +132,8 @@ def malformed_jsonl(tmp_path_factory):
 def test_bad_input_is_one_line_with_any_ngpu(ngpu, flag, expected, malformed_jsonl, tmp_path):
     """With NGPU >= 2 run_train.sh checks before torchrun starts any rank (recipes.preflight):
     one line, exit code 2, nothing written. (Each class of bad input: tests/test_preflight.py.)"""
-    proc = launch(f"--job.dump_folder={tmp_path}/out", flag.format(bad=malformed_jsonl),
-                  ngpu=ngpu)
+    proc = launch(f"--job.dump_folder={tmp_path}/out", f"--checkpoint.save_dir={tmp_path}/hf",
+                  flag.format(bad=malformed_jsonl), ngpu=ngpu)
     assert_one_error_line(proc, expected.format(bad=malformed_jsonl))
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
@@ -143,6 +143,7 @@ def test_ranks_that_find_bad_data_print_it_once(malformed_jsonl, tmp_path):
     tokenizing: rank 0 alone prints it, every rank exits with code 2 before building a model."""
     proc = run_torchrun(["-m", "recipes.train", "--job.config_file=train_configs/debug_cpu.toml",
                          "--parallelism.mode=fsdp2", f"--job.dump_folder={tmp_path}/out",
+                         f"--checkpoint.save_dir={tmp_path}/hf",
                          f"--training.dataset_path={malformed_jsonl}"], nproc=2, check=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
