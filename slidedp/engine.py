@@ -62,9 +62,8 @@ class SlideDPBackend:
         self.rank, self.world = dp_rank, dp_world
         self.max_norm, self.loss_chunk = tr.max_norm, tr.loss_chunk_tokens
         self.layout = StateLayout(model_args, world=dp_world)
-        plan = HostStatePlan(bf16_shadow=cfg.bf16_shadow,
-                             grad_accum=tr.grad_accum_steps > 1 or tr.max_norm > 0,
-                             cpu_staging=cfg.reduction == "cpu")
+        plan = HostStatePlan.for_run(cfg, grad_accum_steps=tr.grad_accum_steps,
+                                     max_norm=tr.max_norm)
         self._check_host_memory(plan)
         self.set_activation(default=cfg.activation, keep_blocks=cfg.keep_blocks)
 
