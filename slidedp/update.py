@@ -110,8 +110,12 @@ class GradientReturn:
     def _cpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, token: int, *,
                    norm: bool):
         st = self.state
-        # Buffer release: every owner must have consumed our previous return of this unit.
-        st.wait_counter(st.consumed[unit.index], token - 1, what=f"consumption of unit {unit.index}")
+        # Buffer release: every owner must have consumed our previous return of this unit, whose
+        # token is the one we last marked ready (not token - 1: micro-batches that took the gpu
+        # route in between returned nothing here).
+        previous = int(st.ready[unit.index, self.rank])
+        st.wait_counter(st.consumed[unit.index], previous,
+                        what=f"consumption of unit {unit.index}")
         mine = st.staging_view(self.rank, unit.index)
         events = []
         for start in range(0, unit.padded, self.chunk):

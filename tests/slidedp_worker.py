@@ -66,10 +66,15 @@ def main() -> None:
                           vocab=args.vocab_size, seed=7)
     results = []
     for i, variant in enumerate(json.loads(a.variants)):
+        # [[delivery, reduction], ...]: set_routes before each step (not a slidedp field)
+        route_steps = variant.pop("routes_per_step", None)
         cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm, kernels=a.kernels)
         backend = SlideDPBackend(cfg, args, device=device, dp_rank=rank, dp_world=world)
         losses, norms, counters = [], [], []
-        for micro in data:
+        for step, micro in enumerate(data):
+            if route_steps:
+                delivery, reduction = route_steps[step]
+                backend.set_routes(delivery=delivery, reduction=reduction)
             ntok = sum(int((y != -100).sum()) for _, y in micro)
             mine = [(x[rank * a.batch:(rank + 1) * a.batch], y[rank * a.batch:(rank + 1) * a.batch])
                     for x, y in micro]
