@@ -52,6 +52,10 @@ def format_line(step: int, m: dict[str, Any]) -> str:
     if m["peak_mem_alloc_gib"] is not None:
         parts.append(f"mem {m['peak_mem_alloc_gib']:.1f}/{m['peak_mem_reserved_gib']:.1f} GiB")
     parts += [f"rss {m['peak_rss_gib']:.2f} GiB", f"{m['step_time_s']:.3f} s"]
+    if "checkpoint_blocked_s" in m:
+        parts.append(f"save held the step {m['checkpoint_blocked_s']:.2f} s")
+    if m.get("update_skipped"):
+        parts.append("update skipped (not finite)")
     return " | ".join(parts)
 
 

@@ -3,9 +3,11 @@
     python -m recipes.train --job.config_file X [--section.key=value ...]
 
 The loop is mode-agnostic: it draws micro-batches, counts the step's global target tokens, asks
-the backend of `parallelism.mode` for one optimizer step, logs and saves. A run resumed from a
-save (checkpoint.resume_from, see recipes/checkpoint.py) continues exactly where it stopped.
-Configuration errors are reported as one line (`error: ...`, exit code 2) before any work starts.
+the backend of `parallelism.mode` for one optimizer step, logs and saves (in the background). A
+run resumed from a save (checkpoint.resume_from, see recipes/checkpoint.py) continues exactly
+where it stopped. Configuration errors are reported as one line (`error: ...`, exit code 2)
+before any work starts. A step with a non-finite loss or gradient skips its update
+(recipes/nonfinite.py).
 """
 
 import logging
@@ -24,12 +26,13 @@ from models.args import QwenArgs
 from models.flavors import PUBLISHED_BILLIONS
 from models.loss import IGNORE_INDEX
 from recipes.backend import Batch, StepResult, TrainBackend
-from recipes.checkpoint import (FORMAT_VERSION, TRAIN_STATE, read_meta, save_train_state,
-                                step_dir)
+from recipes.checkpoint import (FORMAT_VERSION, TRAIN_STATE, CheckpointSaver, HFExport,
+                                read_meta)
 from recipes.config import (ConfigError, JobConfig, parse_config, resolve_model,
                             resolve_resume_dir)
 from recipes.lr_schedule import LRSchedule
 from recipes.metrics import MetricsLogger, memory, throughput
+from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.parallelize import build_backend
 
 logger = logging.getLogger("recipes")
@@ -147,32 +150,19 @@ def train_steps(backend: TrainBackend, batches: Iterable[Batch], schedule: LRSch
                           step_time=time.perf_counter() - start)
 
 
-def _save_hf_weights(backend: TrainBackend, config: JobConfig, args: QwenArgs, out: Path, *,
-                     rank: int) -> None:
-    """HF-format save to `out`. Every rank walks the parameters (gathering may communicate);
-    rank 0 writes."""
-    tensors = backend.named_master_parameters()
-    if rank != 0:
-        for _ in tensors:
-            pass
-        return
-    from models.hf_checkpoint import load_config_json, save_hf_checkpoint
-
+def hf_exporter(config: JobConfig, args: QwenArgs) -> HFExport:
+    """The Hugging Face export of a save: the model's config (the source model's, if it was
+    fine-tuned from one) and tokenizer with the weights."""
     hf_dir = config.model.hf_dir
-    save_hf_checkpoint(tensors, args, out,
-                       copy_tokenizer_from=config.model.tokenizer_dir or hf_dir or None,
-                       source_config=load_config_json(hf_dir) if hf_dir else None)
-    logger.info("saved Hugging Face checkpoint to %s", out)
 
+    def export(tensors: Iterator[tuple[str, torch.Tensor]], out: Path) -> None:
+        from models.hf_checkpoint import load_config_json, save_hf_checkpoint
 
-def save_checkpoint(backend: TrainBackend, config: JobConfig, args: QwenArgs, *, step: int,
-                    rank: int, run_meta: dict[str, Any], data: BatchSource) -> None:
-    """<save_dir>/step-<step>: the Hugging Face weights, then the exact train state in its
-    train_state/ (last: the HF save replaces the whole directory)."""
-    out = step_dir(config.checkpoint.save_dir, step)
-    _save_hf_weights(backend, config, args, out, rank=rank)
-    save_train_state(backend, out, {"step": step, **run_meta, "data": data.state_dict()},
-                     rank=rank)
+        save_hf_checkpoint(tensors, args, out,
+                           copy_tokenizer_from=config.model.tokenizer_dir or hf_dir or None,
+                           source_config=load_config_json(hf_dir) if hf_dir else None)
+
+    return export
 
 
 def _run_meta(config: JobConfig, name: str, args: QwenArgs, *, world: int) -> dict[str, Any]:
@@ -271,7 +261,12 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
                             tensorboard=config.metrics.enable_tensorboard,
                             append=resume_dir is not None)
     flops_per_token = args.flops_per_token(training.seq_len)
-    interval, save_dir = config.checkpoint.interval, config.checkpoint.save_dir
+    ckpt = config.checkpoint
+    saver = CheckpointSaver(backend, save_dir=ckpt.save_dir, keep_latest_k=ckpt.keep_latest_k,
+                            background=ckpt.async_mode == "async", rank=rank,
+                            export_hf=hf_exporter(config, args)) if ckpt.save_dir else None
+    nonfinite = NonFinitePolicy(training.nonfinite, limit=training.max_nonfinite_steps,
+                                log=rank == 0)
     try:
         start_step = 0
         if resume_dir is not None:
@@ -280,16 +275,31 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
         for out in train_steps(backend, batches, schedule, steps=training.steps,
                                grad_accum_steps=training.grad_accum_steps, device=device,
                                start_step=start_step):
+            saved = {}
+            if saver is not None:
+                saver.raise_failure()  # of a background save that has ended since
+                if out.step == training.steps or (ckpt.interval and out.step % ckpt.interval == 0):
+                    meta = {**run_meta, "data": batches.state_dict()}
+                    saved["checkpoint_blocked_s"] = saver.save(out.step, meta)
             metrics.log(out.step, {
                 "loss": out.loss, "lr": out.lr, "grad_norm": out.result.grad_norm,
-                "target_tokens": out.target_tokens,
+                "target_tokens": out.target_tokens, "update_skipped": out.result.skipped,
                 **throughput(global_tokens=step_tokens, step_time=out.step_time,
                              flops_per_token=flops_per_token, world=world,
                              on_cuda=device.type == "cuda"),
-                **memory(device), "step_time_s": out.step_time, **out.result.extra})
-            if save_dir and (out.step == training.steps or (interval and out.step % interval == 0)):
-                save_checkpoint(backend, config, args, step=out.step, rank=rank,
-                                run_meta=run_meta, data=batches)
+                **memory(device), "step_time_s": out.step_time, **saved, **out.result.extra})
+            nonfinite.observe(out.step, skipped=out.result.skipped, loss=out.loss,
+                              grad_norm=out.result.grad_norm)
+    except BaseException:
+        if saver is not None:  # the save in flight still completes, before the state goes
+            try:
+                saver.wait()
+            except RuntimeError as e:
+                logger.error("%s", e)
+        raise
+    else:
+        if saver is not None:
+            saver.wait()
     finally:
         metrics.close()
         backend.close()
@@ -302,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteStop as e:  # raised by every rank at the same step
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
