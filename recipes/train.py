@@ -6,8 +6,9 @@ The loop is mode-agnostic: it draws micro-batches, counts the step's global targ
 the backend of `parallelism.mode` for one optimizer step, logs and saves (in the background). A
 run resumed from a save (checkpoint.resume_from, see recipes/checkpoint.py) continues exactly
 where it stopped. Configuration errors are reported as one line (`error: ...`, exit code 2)
-before any work starts. A step with a non-finite loss or gradient skips its update
-(recipes/nonfinite.py).
+before any work starts, and so is a run folder that another run holds (recipes/run_lock.py).
+Faults: a step with a non-finite loss or gradient skips its update (recipes/nonfinite.py), and
+the ranks end together when their launcher or one of them dies (recipes/liveness.py).
 """
 
 import logging
@@ -30,10 +31,12 @@ from recipes.checkpoint import (FORMAT_VERSION, TRAIN_STATE, CheckpointSaver, HF
                                 read_meta)
 from recipes.config import (ConfigError, JobConfig, parse_config, resolve_model,
                             resolve_resume_dir)
+from recipes.liveness import exit_with_launcher, watching_peers
 from recipes.lr_schedule import LRSchedule
 from recipes.metrics import MetricsLogger, memory, throughput
 from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.parallelize import build_backend
+from recipes.run_lock import FolderInUse, lock_run_folders
 
 logger = logging.getLogger("recipes")
 
@@ -213,7 +216,27 @@ def _init_distributed(device: torch.device, *, world: int) -> None:
                                 device_id=device_id)
 
 
+def _lock_run_folders(config: JobConfig, *, rank: int) -> list:
+    """Rank 0 locks the run's folders before anything is written; with a process group every
+    rank then raises the same one-line FolderInUse if another run holds one."""
+    locks, error = [], ""
+    if rank == 0:
+        try:
+            locks = lock_run_folders({"job.dump_folder": config.job.dump_folder,
+                                      "checkpoint.save_dir": config.checkpoint.save_dir})
+        except ConfigError as e:
+            error = str(e)
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise FolderInUse(error)
+    return locks
+
+
 def train(config: JobConfig) -> None:
+    exit_with_launcher()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     mode = config.parallelism.mode
@@ -230,7 +253,11 @@ def train(config: JobConfig) -> None:
     if mode != "single":
         _init_distributed(device, world=world)
     try:
-        _run(config, rank=rank, world=world, device=device)
+        locks = _lock_run_folders(config, rank=rank)  # held until they are closed at exit
+        with watching_peers(rank=rank, world=world, expected=(ConfigError, NonFiniteStop)):
+            _run(config, rank=rank, world=world, device=device)
+        for lock in locks:
+            lock.close()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
