@@ -159,6 +159,39 @@ def _launch_without_agent(out: Path, log: Path, *flags: str) -> list[subprocess.
     return procs
 
 
+BLOCKED_SURVIVOR = """
+import os, signal, time, torch.distributed as dist
+from recipes.liveness import watching_peers
+dist.init_process_group("gloo")
+with watching_peers(rank=dist.get_rank(), world=2):
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)  # a wait no collective notices: a version gate, a disk, a save's gate
+"""
+
+
+def test_a_rank_blocked_outside_any_collective_ends_when_its_peer_dies(tmp_path):
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED_SURVIVOR)
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                             WORLD_SIZE="2")
+        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        assert procs[1].wait(timeout=60) == -signal.SIGKILL
+        died = time.monotonic()
+        _, err = procs[0].communicate(timeout=30)
+        assert time.monotonic() - died < 5
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1
+    assert err.strip().splitlines()[-1].startswith(
+        f"[rank0] error: rank 1 (pid {procs[1].pid}) is gone (killed or failed)"), err
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     """The run never killed."""
