@@ -81,6 +81,11 @@ class Training:
     state are always FP32."""
     init_on_meta: bool = False
     """Create weights on the meta device, init them in place after sharding (fast; fsdp2)."""
+    nonfinite: Literal["stop_consecutive", "stop_total", "skip", "off"] = "stop_consecutive"
+    """A step with a NaN/Inf loss or gradient norm skips its update (see README); "skip": go on,
+    "stop_*": stop after max_nonfinite_steps such steps in a row / in total; "off": no check."""
+    max_nonfinite_steps: int = 3
+    """Skipped steps (in a row, or in total since the start) that stop the run."""
 
 
 @dataclass
@@ -127,6 +132,10 @@ class Checkpoint:
     """Save every this many steps as well; 0: only at the end."""
     resume_from: str = ""
     """Continue exactly from a step-N directory with train_state/, or "latest" under save_dir."""
+    keep_latest_k: int = 3
+    """Keep the newest K complete saves and delete older ones (0: keep all)."""
+    async_mode: Literal["async", "disabled"] = "async"
+    """"async": write each save in the background from a snapshot; "disabled": the step waits."""
 
 
 @dataclass
@@ -159,6 +168,7 @@ _BOUNDS: dict[str, tuple[Any, str]] = {
        ("steps", "seq_len", "local_batch_size", "grad_accum_steps", "loss_chunk_tokens")},
     "training.max_norm": (lambda v: v >= 0, ">= 0"),
     "training.seed": (lambda v: v >= 0, ">= 0"),
+    "training.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
     "optimizer.lr": (lambda v: v > 0, "> 0"),
     "optimizer.beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optimizer.beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -167,6 +177,7 @@ _BOUNDS: dict[str, tuple[Any, str]] = {
     "lr_scheduler.warmup_steps": (lambda v: v >= 0, ">= 0"),
     "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "checkpoint.interval": (lambda v: v >= 0, ">= 0"),
+    "checkpoint.keep_latest_k": (lambda v: v >= 0, ">= 0"),
     "slidedp.window_slots": (lambda v: v >= 2, ">= 2"),
     "slidedp.chunk_mib": (lambda v: 0 < v <= 1024, "in (0, 1024]"),
     "slidedp.keep_blocks": (lambda v: v >= 0, ">= 0"),

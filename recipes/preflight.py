@@ -167,7 +167,7 @@ def check_host_memory(config: JobConfig, args: QwenArgs, *, world: int, on_cpu: 
     training, shared = config.training, 0
     if config.parallelism.mode == "slidedp":
         plan = HostStatePlan.for_run(config.slidedp, grad_accum_steps=training.grad_accum_steps,
-                                     max_norm=training.max_norm)
+                                     max_norm=training.max_norm, nonfinite=training.nonfinite)
         shared = host_state_bytes(StateLayout(args, world=world), plan)
         if shared > available and config.slidedp.check_host_memory:
             raise ConfigError(f"slidedp: the host state needs {_gib(shared)} "

@@ -3,9 +3,12 @@
     python -m recipes.train --job.config_file X [--section.key=value ...]
 
 The loop is mode-agnostic: it draws micro-batches, counts the step's global target tokens, asks
-the backend of `parallelism.mode` for one optimizer step, logs and saves. A run resumed from a
-save (checkpoint.resume_from, see recipes/checkpoint.py) continues exactly where it stopped.
-Configuration errors are reported as one line (`error: ...`, exit code 2) before any work starts.
+the backend of `parallelism.mode` for one optimizer step, logs and saves (in the background). A
+run resumed from a save (checkpoint.resume_from, see recipes/checkpoint.py) continues exactly
+where it stopped. Configuration errors are reported as one line (`error: ...`, exit code 2)
+before any work starts, and so is a run folder that another run holds (recipes/run_lock.py).
+Faults: a step with a non-finite loss or gradient skips its update (recipes/nonfinite.py), and
+the ranks end together when their launcher or one of them dies (recipes/liveness.py).
 """
 
 import logging
@@ -15,7 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,12 +27,15 @@ from models.args import QwenArgs
 from models.flavors import PUBLISHED_BILLIONS
 from models.loss import IGNORE_INDEX
 from protocols.backend import Batch, StepResult, TrainBackend
-from recipes.checkpoint import TRAIN_STATE, read_meta, save_train_state, step_dir
+from recipes.checkpoint import TRAIN_STATE, CheckpointSaver, HFExport, read_meta
 from recipes.config import ConfigError, JobConfig, parse_config
+from recipes.liveness import exit_with_launcher, watching_peers
 from recipes.lr_schedule import LRSchedule
 from recipes.metrics import MetricsLogger, memory, new_run_name, throughput
+from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.parallelize import build_backend, build_kernels
 from recipes.preflight import CheckedRun, check_run, data_error, load_checked_tokenizer
+from recipes.run_lock import FolderInUse, lock_run_folders
 
 logger = logging.getLogger("recipes")
 
@@ -146,32 +152,19 @@ def train_steps(backend: TrainBackend, batches: Iterable[Batch], schedule: LRSch
                           step_time=time.perf_counter() - start)
 
 
-def _save_hf_weights(backend: TrainBackend, config: JobConfig, args: QwenArgs, out: Path, *,
-                     rank: int) -> None:
-    """HF-format save to `out`. Every rank walks the parameters (gathering may communicate);
-    rank 0 writes."""
-    tensors = backend.named_master_parameters()
-    if rank != 0:
-        for _ in tensors:
-            pass
-        return
-    from models.hf_checkpoint import load_config_json, save_hf_checkpoint
-
+def hf_exporter(config: JobConfig, args: QwenArgs) -> HFExport:
+    """The Hugging Face export of a save: the model's config (the source model's, if it was
+    fine-tuned from one) and tokenizer with the weights."""
     hf_dir = config.model.hf_dir
-    save_hf_checkpoint(tensors, args, out,
-                       copy_tokenizer_from=config.model.tokenizer_dir or hf_dir or None,
-                       source_config=load_config_json(hf_dir) if hf_dir else None)
-    logger.info("saved Hugging Face checkpoint to %s", out)
 
+    def export(tensors: Iterator[tuple[str, torch.Tensor]], out: Path) -> None:
+        from models.hf_checkpoint import load_config_json, save_hf_checkpoint
 
-def save_checkpoint(backend: TrainBackend, config: JobConfig, args: QwenArgs, *, step: int,
-                    rank: int, run_meta: dict[str, Any], data: BatchSource) -> None:
-    """<save_dir>/step-<step>: the Hugging Face weights, then the exact train state in its
-    train_state/ (last: the HF save replaces the whole directory)."""
-    out = step_dir(config.checkpoint.save_dir, step)
-    _save_hf_weights(backend, config, args, out, rank=rank)
-    save_train_state(backend, out, {"step": step, **run_meta, "data": data.state_dict()},
-                     rank=rank)
+        save_hf_checkpoint(tensors, args, out,
+                           copy_tokenizer_from=config.model.tokenizer_dir or hf_dir or None,
+                           source_config=load_config_json(hf_dir) if hf_dir else None)
+
+    return export
 
 
 def load_checkpoint(backend: TrainBackend, data: BatchSource, directory: Path) -> int:
@@ -231,7 +224,27 @@ def _init_distributed(device: torch.device, *, world: int) -> None:
                                 device_id=device_id)
 
 
+def _lock_run_folders(config: JobConfig, *, rank: int) -> list:
+    """Rank 0 locks the run's folders before anything is written; with a process group every
+    rank then raises the same one-line FolderInUse if another run holds one."""
+    locks, error = [], ""
+    if rank == 0:
+        try:
+            locks = lock_run_folders({"job.dump_folder": config.job.dump_folder,
+                                      "checkpoint.save_dir": config.checkpoint.save_dir})
+        except ConfigError as e:
+            error = str(e)
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise FolderInUse(error)
+    return locks
+
+
 def train(config: JobConfig) -> None:
+    exit_with_launcher()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -246,7 +259,11 @@ def train(config: JobConfig) -> None:
     if config.parallelism.mode != "single":
         _init_distributed(device, world=world)
     try:
-        _run(config, checked, rank=rank, world=world, device=device)
+        locks = _lock_run_folders(config, rank=rank)  # held until they are closed at exit
+        with watching_peers(rank=rank, world=world, expected=(ConfigError, NonFiniteStop)):
+            _run(config, checked, rank=rank, world=world, device=device)
+        for lock in locks:
+            lock.close()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -272,8 +289,8 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
     # the save's meta.json; saves from before it was recorded get a new one).
     resume_step, run_name = 0, new_run_name(config.parallelism.mode)
     if resume_dir is not None:
-        saved = read_meta(resume_dir)
-        resume_step, run_name = saved["step"], saved.get("run_name", run_name)
+        resumed = read_meta(resume_dir)
+        resume_step, run_name = resumed["step"], resumed.get("run_name", run_name)
     backend = build_backend(config, args, device=device, dp_rank=rank, dp_world=world)
     schedule = build_lr_schedule(config)
     metrics = MetricsLogger(config.job.dump_folder, enabled=rank == 0,
@@ -282,7 +299,12 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
                             tensorboard=config.metrics.enable_tensorboard,
                             run_name=run_name, start_step=resume_step)
     flops_per_token = args.flops_per_token(training.seq_len)
-    interval, save_dir = config.checkpoint.interval, config.checkpoint.save_dir
+    ckpt = config.checkpoint
+    saver = CheckpointSaver(backend, save_dir=ckpt.save_dir, keep_latest_k=ckpt.keep_latest_k,
+                            background=ckpt.async_mode == "async", rank=rank,
+                            export_hf=hf_exporter(config, args)) if ckpt.save_dir else None
+    nonfinite = NonFinitePolicy(training.nonfinite, limit=training.max_nonfinite_steps,
+                                log=rank == 0)
     try:
         start_step = 0
         if resume_dir is not None:
@@ -291,17 +313,32 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
         for out in train_steps(backend, batches, schedule, steps=training.steps,
                                grad_accum_steps=training.grad_accum_steps, device=device,
                                start_step=start_step):
+            saved = {}
+            if saver is not None:
+                saver.raise_failure()  # of a background save that has ended since
+                if out.step == training.steps or (ckpt.interval and out.step % ckpt.interval == 0):
+                    meta = {**checked.run_meta, "run_name": metrics.run_name,
+                            "data": batches.state_dict()}
+                    saved["checkpoint_blocked_s"] = saver.save(out.step, meta)
             metrics.log(out.step, {
                 "loss": out.loss, "lr": out.lr, "grad_norm": out.result.grad_norm,
-                "target_tokens": out.target_tokens,
+                "target_tokens": out.target_tokens, "update_skipped": out.result.skipped,
                 **throughput(global_tokens=step_tokens, step_time=out.step_time,
                              flops_per_token=flops_per_token, world=world,
                              on_cuda=device.type == "cuda"),
-                **memory(device), "step_time_s": out.step_time, **out.result.extra})
-            if save_dir and (out.step == training.steps or (interval and out.step % interval == 0)):
-                save_checkpoint(backend, config, args, step=out.step, rank=rank,
-                                run_meta={**checked.run_meta, "run_name": metrics.run_name},
-                                data=batches)
+                **memory(device), "step_time_s": out.step_time, **saved, **out.result.extra})
+            nonfinite.observe(out.step, skipped=out.result.skipped, loss=out.loss,
+                              grad_norm=out.result.grad_norm)
+    except BaseException:
+        if saver is not None:  # the save in flight still completes, before the state goes
+            try:
+                saver.wait()
+            except RuntimeError as e:
+                logger.error("%s", e)
+        raise
+    else:
+        if saver is not None:
+            saver.wait()
     finally:
         metrics.close()
         backend.close()
@@ -315,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", 0)) == 0:  # every rank finds the same mistake: print once
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteStop as e:  # raised by every rank at the same step
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -48,10 +48,13 @@ class HostStatePlan:
     """Per-rank full-gradient return buffers (CPU-side reduction)."""
 
     @classmethod
-    def for_run(cls, cfg: SlideDPConfig, *, grad_accum_steps: int,
-                max_norm: float) -> "HostStatePlan":
-        """The regions a run needs: gradients wait on the host with accumulation or clipping."""
-        return cls(bf16_shadow=cfg.bf16_shadow, grad_accum=grad_accum_steps > 1 or max_norm > 0,
+    def for_run(cls, cfg: SlideDPConfig, *, grad_accum_steps: int, max_norm: float,
+                nonfinite: str) -> "HostStatePlan":
+        """The regions a run needs: gradients wait on the host with accumulation, or when the
+        updates wait for the step's global norm (clipping, or the non-finite guard unless
+        training.nonfinite = "off")."""
+        deferred = max_norm > 0 or nonfinite != "off"
+        return cls(bf16_shadow=cfg.bf16_shadow, grad_accum=grad_accum_steps > 1 or deferred,
                    cpu_staging=cfg.reduction == "cpu")
 
 

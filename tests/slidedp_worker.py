@@ -30,13 +30,14 @@ def global_batches(*, steps: int, accum: int, batch: int, seq: int, vocab: int, 
 
 
 def make_config(variant: dict, *, accum: int, max_norm: float, kernels: str = "auto") -> JobConfig:
+    """`variant`: [slidedp] fields, and optionally training.nonfinite as "nonfinite"."""
     cfg = JobConfig()
     cfg.model.kernels = kernels
     cfg.training.grad_accum_steps, cfg.training.max_norm = accum, max_norm
     cfg.training.loss_chunk_tokens = 40
     cfg.optimizer.lr = 1e-3
     for key, value in variant.items():
-        setattr(cfg.slidedp, key, value)
+        setattr(cfg.training if key == "nonfinite" else cfg.slidedp, key, value)
     return cfg
 
 

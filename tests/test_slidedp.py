@@ -122,13 +122,17 @@ def test_routes_switch_between_steps_in_every_direction(tmp_path):
 
 
 def test_three_ranks_untied_qwen25(tmp_path):
-    variants = [{"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK},
+    # Without clipping: updates during backward (the non-finite guard off), and after it (on).
+    variants = [{"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK,
+                 "nonfinite": "off"},
                 {"delivery": "replicated", "reduction": "cpu", "activation": "keep"}]
     kw = dict(flavor="qwen2.5-debug", steps=3, accum=1, max_norm=0.0)
     results = run_workers(tmp_path, world=3, variants=variants, **kw)
     ref_losses, ref_weights = single_reference(world=3, **kw)
     assert_matches_reference(results, ref_losses, ref_weights)
     sharded, replicated = (r["counters"][0] for r in results)
+    assert "host_update_s" in sharded and "host_update_s" not in replicated
+    assert "host_clipped_update_s" in results[1]["counters"][1]  # step 1's, after step 1
     assert sharded["traffic_h2d_mb"] * 3 == pytest.approx(replicated["traffic_h2d_mb"])
     assert sharded["traffic_d2h_mb"] * 3 == pytest.approx(replicated["traffic_d2h_mb"])
 

@@ -70,6 +70,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.model.flavor = a.flavor
     cfg.model.kernels, cfg.model.attention = a.kernels, a.attention
     cfg.training.seq_len, cfg.training.max_norm = a.seq, a.max_norm
+    cfg.training.nonfinite = a.nonfinite
     cfg.training.init_on_meta = True
     cfg.activation_checkpoint.mode = a.ac
     cfg.slidedp.delivery, cfg.slidedp.reduction = route.split("/")
@@ -101,6 +102,9 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=3)
     p.add_argument("--chunk-mib", type=float, default=32.0)
     p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--nonfinite", default="off", choices=("off", "skip", "stop_consecutive"),
+                   help="training.nonfinite; off (the default here): SlideDP without clipping "
+                        "updates during backward instead of waiting for the step's norm")
     p.add_argument("--accum", default="1",
                    help="slidedp/fsdp2: list of micro-batch counts each local batch is split into")
     p.add_argument("--no-memory-check", action="store_true",
@@ -155,7 +159,8 @@ def main() -> None:
             times, extras, traced = [], [], {}
             # With clipping, SlideDP runs step t's update during step t+1: the warm-up must hold
             # one whole update cycle (the first also faults in the Adam moments' host pages).
-            warmup = a.warmup + (a.mode == "slidedp" and a.max_norm > 0)
+            deferred = a.max_norm > 0 or a.nonfinite != "off"
+            warmup = a.warmup + (a.mode == "slidedp" and deferred)
             n_timed = warmup + a.steps
             # The traced step (rank 0 profiles) comes after the timed ones: its overhead stays out.
             trace = bool(a.trace_dir) and a.trace_batch in (0, batch)
@@ -190,7 +195,7 @@ def main() -> None:
                    "ac": a.ac if a.mode != "slidedp" else policy,
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
                    "world": world, "seq": a.seq, "local_batch": batch, "accum": accum,
-                   "max_norm": a.max_norm, "step_time_s": step_time,
+                   "max_norm": a.max_norm, "nonfinite": a.nonfinite, "step_time_s": step_time,
                    **throughput(global_tokens=batch * a.seq * world, step_time=step_time,
                                 flops_per_token=args.flops_per_token(a.seq), world=world,
                                 on_cuda=device.type == "cuda"),
