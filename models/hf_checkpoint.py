@@ -291,15 +291,28 @@ def _mismatch_message(found: dict[str, torch.Size], expected: dict[str, torch.Si
     return "; ".join(parts) or None
 
 
+def _checked_entries(model_dir: PathLike, expected: dict[str, torch.Size], *,
+                     strict: bool) -> dict[str, _Entry]:
+    entries = _locate_tensors(model_dir)
+    problem = _mismatch_message({n: e.shape for n, e in entries.items()}, expected, strict=strict)
+    if problem:
+        raise ValueError(f"{model_dir}: checkpoint does not match the model: {problem}")
+    return entries
+
+
+def check_hf_tensors(model_dir: PathLike, args: QwenArgs) -> None:
+    """Raise (FileNotFoundError, ValueError or safetensors' SafetensorError) unless the
+    safetensors files exist and their headers hold exactly the tensors of `args`'s model; reads
+    headers only, so a run can check its checkpoint before anything is allocated."""
+    _checked_entries(model_dir, param_shapes(args), strict=True)
+
+
 def load_hf_into(dest: Callable[[str, torch.Tensor], None], model_dir: PathLike,
                  expected: dict[str, torch.Size], *, strict: bool = True) -> None:
     """Stream the checkpoint into `dest(name, tensor)`, one tensor at a time in the file's dtype
     (dest converts). Names and shapes are checked against `expected` before any data is read, so
     a mismatch leaves the destination untouched. strict=False tolerates missing/unexpected names."""
-    entries = _locate_tensors(model_dir)
-    problem = _mismatch_message({n: e.shape for n, e in entries.items()}, expected, strict=strict)
-    if problem:
-        raise ValueError(f"{model_dir}: checkpoint does not match the model: {problem}")
+    entries = _checked_entries(model_dir, expected, strict=strict)
     for name, tensor in _read_entries(entries, [n for n in entries if n in expected]):
         dest(name, tensor)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from recipes.backend import TrainBackend
+from protocols.backend import TrainBackend
 
 FORMAT_VERSION = 1
 TRAIN_STATE = "train_state"

@@ -8,6 +8,7 @@ can make in a config (unknown key, wrong type, bad choice, missing file) is repo
 import dataclasses
 import sys
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -18,7 +19,6 @@ from models.args import QwenArgs, RopeScaling
 from models.flavors import FLAVORS
 from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
-from slidedp.activations import POLICIES
 from slidedp.config import SlideDPConfig
 
 if sys.version_info >= (3, 11):
@@ -161,13 +161,6 @@ class JobConfig:
     slidedp: SlideDPConfig = field(default_factory=SlideDPConfig)
 
 
-# Choices of fields annotated as plain `str` in sections this module does not own.
-_STR_CHOICES: dict[str, tuple[str, ...]] = {
-    "slidedp.delivery": ("replicated", "sharded"),
-    "slidedp.reduction": ("gpu", "cpu"),
-    "slidedp.activation": POLICIES,
-}
-
 # Numeric bounds: key -> (predicate, what it must be).
 _BOUNDS: dict[str, tuple[Any, str]] = {
     **{f"training.{k}": (lambda v: v >= 1, ">= 1") for k in
@@ -185,7 +178,7 @@ _BOUNDS: dict[str, tuple[Any, str]] = {
     "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "checkpoint.interval": (lambda v: v >= 0, ">= 0"),
     "slidedp.window_slots": (lambda v: v >= 2, ">= 2"),
-    "slidedp.chunk_mib": (lambda v: v > 0, "> 0"),
+    "slidedp.chunk_mib": (lambda v: 0 < v <= 1024, "in (0, 1024]"),
     "slidedp.keep_blocks": (lambda v: v >= 0, ">= 0"),
     "slidedp.cpu_threads": (lambda v: v >= 0, ">= 0"),
     "metrics.log_freq": (lambda v: v >= 1, ">= 1"),
@@ -221,18 +214,25 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
     """The value if it fits the annotation (ints widened to float), else a ConfigError."""
     if not _matches(value, tp):
         raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
-    if key in _STR_CHOICES and value not in _STR_CHOICES[key]:
-        raise ConfigError(f"{key} must be {_type_name(Literal[_STR_CHOICES[key]])}, got {value!r}")
     if key in _BOUNDS and not _BOUNDS[key][0](value):
         raise ConfigError(f"{key} must be {_BOUNDS[key][1]}, got {value!r}")
     return float(value) if tp is float else value
+
+
+def _unknown_key(section: str, key: str, valid: Iterable[str]) -> ConfigError:
+    return ConfigError(f"unknown key {section}.{key} (valid keys: {', '.join(valid)})")
+
+
+def _unknown_section(name: str) -> ConfigError:
+    return ConfigError(f"unknown section [{name}] (valid sections: "
+                       f"{', '.join(get_type_hints(JobConfig))})")
 
 
 def _section_from_dict(cls: type, data: dict[str, Any], *, section: str) -> Any:
     hints = get_type_hints(cls)
     for key in data:
         if key not in hints:
-            raise ConfigError(f"unknown key {section}.{key} (valid keys: {', '.join(hints)})")
+            raise _unknown_key(section, key, hints)
     return cls(**{key: _check_value(f"{section}.{key}", value, hints[key])
                   for key, value in data.items()})
 
@@ -290,16 +290,6 @@ def _with_rope_scaling(model: Model, args: QwenArgs) -> QwenArgs:
     return dataclasses.replace(args, rope_scaling=scaling)
 
 
-def check_seq_len(seq_len: int, args: QwenArgs) -> None:
-    """training.seq_len within the positions the model takes (QwenArgs.max_positions: a RoPE
-    scaling raises them)."""
-    if seq_len > args.max_positions():
-        advice = ("raise model.rope_scaling_factor" if args.rope_scaling else
-                  'set model.rope_scaling_type = "yarn" and model.rope_scaling_factor')
-        raise ConfigError(f"training.seq_len = {seq_len} exceeds the model's "
-                          f"{args.describe_positions()}: {advice}, or lower training.seq_len")
-
-
 def resolve_model(config: JobConfig) -> tuple[str, QwenArgs]:
     """(flavor name, architecture): the flavor, or what model.hf_dir's config.json says, with
     the [model] RoPE scaling keys applied. A custom architecture read from hf_dir that matches
@@ -328,7 +318,7 @@ def _job_config_from_dict(cls: type, data: dict[str, Any]) -> Any:
     sections = get_type_hints(cls)
     for name, table in data.items():
         if name not in sections:
-            raise ConfigError(f"unknown section [{name}] (valid sections: {', '.join(sections)})")
+            raise _unknown_section(name)
         if not isinstance(table, dict):
             raise ConfigError(f"{name} must be a [{name}] table, got {table!r}")
     return cls(**{name: _section_from_dict(sections[name], table, section=name)
@@ -396,45 +386,102 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"job.config_file: {path}: invalid TOML: {e}") from None
 
 
+def _cli_value(text: str, tp: Any) -> Any:
+    """A flag's text as the annotation's type where it parses (else the text itself, which
+    _check_value then refuses with the expected type)."""
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            return text
+    if type(None) in get_args(tp) and text == "None":
+        return None
+    return text
+
+
+def _check_cli_args(args: list[str]) -> list[str]:
+    """The flags as tyro takes them, every key spelled with underscores (as --help and the
+    README spell it; dashes are accepted too), each `--section.key=value` checked like a TOML
+    value: an unknown key, a wrong type, a bad choice or a bound is one ConfigError naming the
+    key instead of tyro's multi-line box. Booleans are flags (`--metrics.jsonl`,
+    `--metrics.no_jsonl`) or `=true` / `=false`."""
+    sections = get_type_hints(JobConfig)
+    out: list[str] = []
+    rest = iter(args)
+    for arg in rest:
+        if arg in ("-h", "--help"):
+            out.append(arg)
+            continue
+        if not arg.startswith("--") or "." not in arg.partition("=")[0]:
+            raise ConfigError(f"unexpected argument {arg!r} (flags are --section.key=value)")
+        name, eq, text = arg[2:].partition("=")
+        section, _, key = name.replace("-", "_").partition(".")
+        if section not in sections:
+            raise _unknown_section(section)
+        hints = get_type_hints(sections[section])
+        negated = key.startswith("no_") and hints.get(key[3:]) is bool
+        key = key[3:] if negated else key
+        if key not in hints:
+            raise _unknown_key(section, key, hints)
+        full, tp = f"{section}.{key}", hints[key]
+        if tp is bool:
+            value = not negated
+            if eq:
+                if negated or text.lower() not in ("true", "false"):
+                    raise ConfigError(f"{full} must be true or false, got {arg!r}")
+                value = text.lower() == "true"
+            out.append(f"--{section}.{'' if value else 'no_'}{key}")
+            continue
+        if not eq:
+            text = next(rest, None)
+            if text is None:
+                raise ConfigError(f"{full}: no value given (--{full}=VALUE)")
+        _check_value(full, _cli_value(text, tp), tp)
+        out.append(f"--{full}={text}")
+    return out
+
+
 def _job_config_manager():
-    """torchtitan's ConfigManager for JobConfig, with one-line errors and strict TOML types.
+    """torchtitan's ConfigManager for JobConfig, with one-line errors for TOML values and flags
+    alike, strict TOML types, and --help spelled as the README does (underscores).
     Defined on first use: importing torchtitan takes seconds, which processes that only need
     the dataclasses (ranks of a test, SlideDP workers) should not pay."""
-    from torchtitan.config.manager import ConfigManager
+    import tyro
+    from torchtitan.config.manager import ConfigManager, custom_registry
 
     class JobConfigManager(ConfigManager):
-        def _maybe_load_toml(self, args: list[str]) -> dict[str, Any] | None:
+        def parse_args(self, args: list[str]) -> JobConfig:
             self.toml_path = _config_file_arg(args)
-            return None if self.toml_path is None else _load_toml(self.toml_path)
+            base = JobConfig() if self.toml_path is None else self._from_toml(self.toml_path)
+            self.config = tyro.cli(JobConfig, args=_check_cli_args(args), default=base,
+                                   registry=custom_registry, use_underscores=True)
+            self._validate_config()
+            return self.config
 
-        def _maybe_add_custom_config(self, args: list[str],
-                                     toml_values: dict[str, Any] | None) -> type:
-            return self.config_cls  # no custom config modules: a TOML must not import code
-
-        def _dict_to_dataclass(self, cls: type, data: dict[str, Any]) -> Any:
+        def _from_toml(self, path: str) -> JobConfig:
+            data = _load_toml(path)
             try:
-                return _job_config_from_dict(cls, data)
+                return _job_config_from_dict(JobConfig, data)
             except ConfigError as e:
-                raise ConfigError(f"{self.toml_path}: {e}") from None
+                raise ConfigError(f"{path}: {e}") from None
 
         def _validate_config(self) -> None:
             check_config(self.config)
             _check_paths(self.config)
             _check_combinations(self.config)
-            check_seq_len(self.config.training.seq_len, resolve_model(self.config)[1])
+            resolve_model(self.config)
 
     return JobConfigManager(config_cls=JobConfig)
 
 
 def _config_file_arg(args: list[str]) -> str | None:
+    """The last --job.config_file given ("None": none, as tyro reads it)."""
+    path = None
     for i, arg in enumerate(args):
         key, eq, value = arg.partition("=")
         if key in ("--job.config_file", "--job.config-file"):
-            if eq:
-                return value
-            if i + 1 < len(args):
-                return args[i + 1]
-    return None
+            path = value if eq else args[i + 1] if i + 1 < len(args) else None
+    return None if path == "None" else path
 
 
 def parse_config(args: list[str]) -> JobConfig:

@@ -18,7 +18,7 @@ from torch.distributed._composable import checkpoint
 from models.args import QwenArgs
 from models.kernels import TORCH_KERNELS, Kernels, resolve_kernels
 from models.qwen import QwenModel, init_parameter
-from recipes.backend import Batch, StepResult
+from protocols.backend import Batch, StepResult
 from recipes.config import JobConfig
 
 

@@ -23,14 +23,13 @@ import torch.distributed as dist
 from models.args import QwenArgs
 from models.flavors import PUBLISHED_BILLIONS
 from models.loss import IGNORE_INDEX
-from recipes.backend import Batch, StepResult, TrainBackend
-from recipes.checkpoint import (FORMAT_VERSION, TRAIN_STATE, read_meta, save_train_state,
-                                step_dir)
-from recipes.config import (ConfigError, JobConfig, parse_config, resolve_model,
-                            resolve_resume_dir)
+from protocols.backend import Batch, StepResult, TrainBackend
+from recipes.checkpoint import TRAIN_STATE, read_meta, save_train_state, step_dir
+from recipes.config import ConfigError, JobConfig, parse_config
 from recipes.lr_schedule import LRSchedule
 from recipes.metrics import MetricsLogger, memory, new_run_name, throughput
 from recipes.parallelize import build_backend, build_kernels
+from recipes.preflight import CheckedRun, check_run, data_error, load_checked_tokenizer
 
 logger = logging.getLogger("recipes")
 
@@ -83,20 +82,20 @@ class BatchSource(Protocol):
 
 def build_batches(config: JobConfig, args: QwenArgs, *, dp_rank: int,
                   dp_world: int) -> BatchSource:
-    """This rank's infinite stream of (input_ids, labels) micro-batches."""
+    """This rank's infinite stream of (input_ids, labels) micro-batches. A bad tokenizer or data
+    record is a ConfigError naming it (file:line), raised before any model is built."""
     training = config.training
     shape = dict(seq_len=training.seq_len, local_batch_size=training.local_batch_size,
                  dp_rank=dp_rank, dp_world=dp_world, seed=training.seed)
     if training.dataset == "synthetic":
         return SyntheticBatches(vocab_size=args.vocab_size, **shape)
-    from recipes.data import PackedDataLoader, load_tokenizer  # tokenizers/pyarrow only for files
+    from recipes.data import DataError, PackedDataLoader  # tokenizers/pyarrow only for files
 
-    tokenizer_dir = config.model.tokenizer_dir or config.model.hf_dir
-    tokenizer, eos_id = load_tokenizer(tokenizer_dir)
-    if tokenizer.get_vocab_size() > args.vocab_size:
-        raise ConfigError(f"model.tokenizer_dir: {tokenizer_dir} has {tokenizer.get_vocab_size()} "
-                          f"tokens, more than the model's vocab_size {args.vocab_size}")
-    return PackedDataLoader(training.dataset_path, tokenizer, eos_id=eos_id, **shape)
+    tokenizer, eos_id = load_checked_tokenizer(config, args)
+    try:
+        return PackedDataLoader(training.dataset_path, tokenizer, eos_id=eos_id, **shape)
+    except DataError as e:
+        raise data_error(e) from None
 
 
 def build_lr_schedule(config: JobConfig) -> LRSchedule:
@@ -175,23 +174,6 @@ def save_checkpoint(backend: TrainBackend, config: JobConfig, args: QwenArgs, *,
                      rank=rank)
 
 
-def _run_meta(config: JobConfig, name: str, args: QwenArgs, *, world: int) -> dict[str, Any]:
-    """What a resumed run must share with the saved one."""
-    return {"mode": config.parallelism.mode, "world_size": world, "flavor": name,
-            "num_params": args.num_params(), "seed": config.training.seed}
-
-
-def check_resumable(directory: Path, *, run_meta: dict[str, Any]) -> dict[str, Any]:
-    """The saved run has this run's shape: before anything is built, one line if not. Returns
-    the save's meta.json."""
-    meta = read_meta(directory)
-    for key, value in {"format_version": FORMAT_VERSION, **run_meta}.items():
-        if meta.get(key) != value:
-            raise ConfigError(f"checkpoint.resume_from: {directory} was saved with {key} = "
-                              f"{meta.get(key)!r}, this run has {value!r}; resume with the same")
-    return meta
-
-
 def load_checkpoint(backend: TrainBackend, data: BatchSource, directory: Path) -> int:
     """Restore the backend and the data position saved in `directory`; returns its step."""
     meta = read_meta(directory)
@@ -253,10 +235,6 @@ def _init_distributed(device: torch.device, *, world: int) -> None:
 def train(config: JobConfig) -> None:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    mode = config.parallelism.mode
-    if mode == "single" and world > 1:
-        raise ConfigError(f'parallelism.mode = "single" runs one process, but WORLD_SIZE={world}; '
-                          'use "fsdp2" or "slidedp"')
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
     if torch.cuda.is_available():
@@ -264,18 +242,21 @@ def train(config: JobConfig) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if mode != "single":
+    # Before anything is allocated; with several ranks the launcher read the data already.
+    checked = check_run(config, world=world, device=device, thorough=world == 1)
+    if config.parallelism.mode != "single":
         _init_distributed(device, world=world)
     try:
-        _run(config, rank=rank, world=world, device=device)
+        _run(config, checked, rank=rank, world=world, device=device)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> None:
+def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
+         device: torch.device) -> None:
     training = config.training
-    name, args = resolve_model(config)
+    name, args, resume_dir = checked.name, checked.args, checked.resume_dir
     if config.job.description:
         logger.info("%s", config.job.description)
     logger.info("%s", _describe_model(name, args))
@@ -288,13 +269,11 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
                 step_tokens, training.local_batch_size, training.seq_len,
                 training.grad_accum_steps, world)
     torch.manual_seed(training.seed)
-    run_meta = _run_meta(config, name, args, world=world)
-    resume_dir = resolve_resume_dir(config.checkpoint) if config.checkpoint.resume_from else None
     # A resumed run continues the metrics of the run it resumes (its TensorBoard run name is in
     # the save's meta.json; saves from before it was recorded get a new one).
     resume_step, run_name = 0, new_run_name(config.parallelism.mode)
     if resume_dir is not None:
-        saved = check_resumable(resume_dir, run_meta=run_meta)
+        saved = read_meta(resume_dir)
         resume_step, run_name = saved["step"], saved.get("run_name", run_name)
     backend = build_backend(config, args, device=device, dp_rank=rank, dp_world=world)
     schedule = build_lr_schedule(config)
@@ -322,7 +301,7 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
                 **memory(device), "step_time_s": out.step_time, **out.result.extra})
             if save_dir and (out.step == training.steps or (interval and out.step % interval == 0)):
                 save_checkpoint(backend, config, args, step=out.step, rank=rank,
-                                run_meta={**run_meta, "run_name": metrics.run_name},
+                                run_meta={**checked.run_meta, "run_name": metrics.run_name},
                                 data=batches)
     finally:
         metrics.close()
@@ -334,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config(sys.argv[1:] if argv is None else argv)
         train(config)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:  # every rank finds the same mistake: print once
+            print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 

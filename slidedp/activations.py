@@ -16,12 +16,14 @@ projections, norms and MLP, not the attention itself.
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, get_args
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-POLICIES = ("keep", "recompute", "selective")
+from slidedp.config import ActivationPolicy
+
+POLICIES: tuple[str, ...] = get_args(ActivationPolicy)
 
 _aten = torch.ops.aten
 _SAVED_OPS = {getattr(_aten, name).default for name in (
@@ -69,7 +71,8 @@ class WeightRefs:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def block_policies(n_blocks: int, *, default: str, keep_blocks: int) -> list[str]:
+def block_policies(n_blocks: int, *, default: ActivationPolicy,
+                   keep_blocks: int) -> list[ActivationPolicy]:
     """Per-block policy: the first `keep_blocks` keep activations, the rest use `default`."""
     if default not in POLICIES:
         raise ValueError(f"slidedp.activation must be one of {POLICIES}, got {default!r}")

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from models.args import QwenArgs
 from models.kernels import resolve_kernels
 from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
-from recipes.backend import Batch, StepResult
+from protocols.backend import Batch, StepResult
 from slidedp import cpu_adam
 from slidedp.activations import WeightRefs, block_policies, save_attention_context
 from slidedp.delivery import Delivery
@@ -62,9 +62,8 @@ class SlideDPBackend:
         self.rank, self.world = dp_rank, dp_world
         self.max_norm, self.loss_chunk = tr.max_norm, tr.loss_chunk_tokens
         self.layout = StateLayout(model_args, world=dp_world)
-        plan = HostStatePlan(bf16_shadow=cfg.bf16_shadow,
-                             grad_accum=tr.grad_accum_steps > 1 or tr.max_norm > 0,
-                             cpu_staging=cfg.reduction == "cpu")
+        plan = HostStatePlan.for_run(cfg, grad_accum_steps=tr.grad_accum_steps,
+                                     max_norm=tr.max_norm)
         self._check_host_memory(plan)
         self.set_activation(default=cfg.activation, keep_blocks=cfg.keep_blocks)
 

@@ -10,12 +10,14 @@ chunks are issued up front so Adam starts on the first chunk while the rest are 
 """
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.distributed as dist
 
 from slidedp import cpu_adam
 from slidedp.collectives import reduce_scatter_single
+from slidedp.config import ReductionRoute
 from slidedp.host_state import SharedHostState
 from slidedp.layout import Unit
 from slidedp.streams import Streams
@@ -40,11 +42,12 @@ class GradientReturn:
     """Brings a unit's summed gradient shard home, yielding (start, end, host_grad) chunks in
     unit-local coordinates of this rank's shard."""
 
-    def __init__(self, state: SharedHostState, streams: Streams, *, route: str, rank: int,
-                 world: int, group: dist.ProcessGroup | None, chunk_elems: int, traffic: Traffic,
-                 max_unit: int, threads: int):
-        if route not in ("gpu", "cpu"):
-            raise ValueError(f"slidedp.reduction must be 'gpu' or 'cpu', got {route!r}")
+    def __init__(self, state: SharedHostState, streams: Streams, *, route: ReductionRoute,
+                 rank: int, world: int, group: dist.ProcessGroup | None, chunk_elems: int,
+                 traffic: Traffic, max_unit: int, threads: int):
+        if route not in get_args(ReductionRoute):
+            raise ValueError(f"slidedp.reduction must be one of {get_args(ReductionRoute)}, "
+                             f"got {route!r}")
         self.state, self.streams, self.route = state, streams, route
         self.rank, self.world, self.group = rank, world, group
         self.chunk, self.traffic, self.threads = chunk_elems, traffic, threads

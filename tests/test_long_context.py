@@ -1,6 +1,6 @@
 """Long context through the recipe: the [model] RoPE scaling keys over config.json's, the bound
-on training.seq_len (one line, exit code 2), and a run past its model's positions that trains and
-saves its scaling."""
+on training.seq_len at start (recipes/preflight.py: one line, exit code 2), and a run past its
+model's positions that trains and saves its scaling."""
 
 import dataclasses
 import json
@@ -8,12 +8,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from models.args import RopeScaling
 from models.flavors import get_flavor
 from models.hf_checkpoint import save_hf_checkpoint
 from recipes.config import ConfigError, parse_config, resolve_model
 from recipes.parallelize import build_model
+from recipes.preflight import check_run
 from tests.conftest import REPO, subprocess_env
 
 SHORT = dataclasses.replace(get_flavor("qwen3-debug"), max_position_embeddings=64)
@@ -39,6 +41,15 @@ def parse_error(*flags: str) -> str:
     return str(info.value)
 
 
+def refused_at_start(tmp_path, *flags: str) -> str:
+    """The start-up checks' one line for a configuration that parses."""
+    config = parse_config([f"--job.dump_folder={tmp_path}/out", *flags])
+    with pytest.raises(ConfigError) as info:
+        check_run(config, world=1, device=torch.device("cpu"), thorough=False)
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+    return str(info.value)
+
+
 def test_toml_keys_apply_over_config_json(tmp_path):
     hf_dir = f"--model.hf_dir={save_model(tmp_path, YARN4)}"
     name, args = resolved(hf_dir)
@@ -50,7 +61,7 @@ def test_toml_keys_apply_over_config_json(tmp_path):
     _, args = resolved(hf_dir, "--model.rope_scaling_type=linear", "--model.rope_scaling_factor=2")
     assert args.rope_scaling == RopeScaling("linear", 2.0) and args.max_positions() == 128
     # "none" turns it off, and then the default seq_len of 128 is past the model's 64 positions.
-    message = parse_error(hf_dir, "--model.rope_scaling_type=none")
+    message = refused_at_start(tmp_path, hf_dir, "--model.rope_scaling_type=none")
     assert message == ("training.seq_len = 128 exceeds the model's 64 positions "
                        '(max_position_embeddings): set model.rope_scaling_type = "yarn" and '
                        "model.rope_scaling_factor, or lower training.seq_len")
@@ -66,7 +77,8 @@ def test_a_flavor_gets_yarn_from_toml(tmp_path):
     _, args = resolved(f"--job.config_file={toml}")
     assert args.rope_scaling == RopeScaling("yarn", 8.0, original_max_position_embeddings=32768)
     assert args.max_positions() == 262_144
-    message = parse_error(f"--job.config_file={toml}", "--model.rope_scaling_factor=4")
+    message = refused_at_start(tmp_path, f"--job.config_file={toml}",
+                               "--model.rope_scaling_factor=4")
     assert message.startswith("training.seq_len = 262144 exceeds the model's 131,072 positions "
                               "(RoPE yarn x4 over 32,768): raise model.rope_scaling_factor")
     # The shipped 262K config says the same.
@@ -87,10 +99,16 @@ def test_a_flavor_gets_yarn_from_toml(tmp_path):
     (["--model.rope_scaling_type=none", "--model.rope_scaling_factor=2"], '= "none"'),
     (["--model.rope_scaling_type=dynamic", "--model.rope_scaling_factor=2",
       "--model.original_max_position_embeddings=4096"], "dynamic scaling does not take one"),
-    (["--training.seq_len=32769"], "exceeds the model's 32,768 positions"),
 ])
 def test_rope_mistakes_are_one_line(flags, key):
     assert key in parse_error(*flags)
+
+
+def test_a_flavor_takes_its_positions_and_no_more(tmp_path):
+    message = refused_at_start(tmp_path, "--training.seq_len=32769")
+    assert "exceeds the model's 32,768 positions (max_position_embeddings)" in message
+    config = parse_config([f"--job.dump_folder={tmp_path}/out", "--training.seq_len=32768"])
+    check_run(config, world=1, device=torch.device("cpu"), thorough=False)  # at the limit: runs
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -30,10 +30,11 @@ import torch.distributed as dist
 from models.args import QwenArgs
 from models.kernels import Kernels, sdpa_backend_used
 from models.qwen import QwenModel
-from recipes.config import ConfigError, JobConfig, check_seq_len, resolve_model
+from recipes.config import ConfigError, JobConfig, resolve_model
 from recipes.metrics import memory, throughput
 from recipes.bench.timeline import breakdown
 from recipes.parallelize import apply_activation_checkpointing, build_backend, build_kernels
+from recipes.preflight import check_seq_len
 from recipes.train import SyntheticBatches
 
 
