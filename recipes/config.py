@@ -15,7 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
-from models.args import QwenArgs
+from models.args import QwenArgs, RopeScaling
 from models.flavors import FLAVORS
 from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
@@ -54,6 +54,14 @@ class Model:
     (liger on CUDA when installed, else torch)."""
     attention: AttentionChoice = "auto"
     """SDPA backend on CUDA: "auto" (cuDNN, then flash, efficient, math), or only that one."""
+    rope_scaling_type: Literal["model", "none", "linear", "dynamic", "yarn"] = "model"
+    """RoPE scaling for long context: "model" (hf_dir's config.json rope_scaling; a flavor has
+    none), "none", or that type (as transformers defines it)."""
+    rope_scaling_factor: float = 0.0
+    """Positions x this factor; 0: the model's (a type the model lacks needs one)."""
+    original_max_position_embeddings: int = 0
+    """yarn: the pre-training positions it scales (Qwen's cards: 32768); 0: the model's, else
+    its max_position_embeddings."""
 
 
 @dataclass
@@ -167,6 +175,8 @@ _BOUNDS: dict[str, tuple[Any, str]] = {
     **{f"training.{k}": (lambda v: v >= 1, ">= 1") for k in
        ("steps", "seq_len", "local_batch_size", "grad_accum_steps", "loss_chunk_tokens")},
     "training.max_norm": (lambda v: v >= 0, ">= 0"),
+    "model.rope_scaling_factor": (lambda v: v == 0 or v >= 1, "0 (the model's) or >= 1"),
+    "model.original_max_position_embeddings": (lambda v: v >= 0, ">= 0"),
     "training.seed": (lambda v: v >= 0, ">= 0"),
     "training.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
     "optimizer.lr": (lambda v: v > 0, "> 0"),
@@ -256,16 +266,52 @@ def _require_path(key: str, value: str, *, kind: Literal["file", "directory", "f
         raise ConfigError(f"{key}: {value} has no {must_contain}")
 
 
+def _with_rope_scaling(model: Model, args: QwenArgs) -> QwenArgs:
+    """`args` with the [model] RoPE scaling keys applied over the model's own scaling (a factor
+    or original positions alone change the model's; a type the model has keeps its other
+    fields)."""
+    kind, factor, original = (model.rope_scaling_type, model.rope_scaling_factor,
+                              model.original_max_position_embeddings)
+    current = args.rope_scaling
+    key = "model.rope_scaling_factor" if factor else "model.original_max_position_embeddings"
+    if kind == "none":
+        if factor or original:
+            raise ConfigError(f'{key} is set but model.rope_scaling_type = "none"')
+        return dataclasses.replace(args, rope_scaling=None)
+    if kind == "model" and current is None:
+        if factor or original:
+            raise ConfigError(f"{key} is set but the model has no RoPE scaling; set "
+                              'model.rope_scaling_type (e.g. "yarn") too')
+        return args
+    kind = current.rope_type if kind == "model" else kind
+    base = current if current is not None and current.rope_type == kind else None
+    if base is None and not factor:
+        raise ConfigError(f'model.rope_scaling_type = "{kind}" needs model.rope_scaling_factor '
+                          "(the model has no such scaling)")
+    fields: dict[str, Any] = {"factor": factor} if factor else {}
+    if original:
+        if kind not in ("yarn", "longrope", "llama3"):
+            raise ConfigError(f"model.original_max_position_embeddings: {kind} scaling does not "
+                              "take one (it scales max_position_embeddings)")
+        fields["original_max_position_embeddings"] = original
+    elif base is None and kind == "yarn":
+        fields["original_max_position_embeddings"] = args.max_position_embeddings
+    scaling = (dataclasses.replace(base, **fields) if base is not None
+               else RopeScaling(rope_type=kind, **fields))
+    return dataclasses.replace(args, rope_scaling=scaling)
+
+
 def resolve_model(config: JobConfig) -> tuple[str, QwenArgs]:
-    """(flavor name, architecture): the flavor, or what model.hf_dir's config.json says.
-    A custom architecture read from hf_dir that matches no flavor is named after the directory."""
+    """(flavor name, architecture): the flavor, or what model.hf_dir's config.json says, with
+    the [model] RoPE scaling keys applied. A custom architecture read from hf_dir that matches
+    no flavor is named after the directory."""
     flavor, hf_dir = config.model.flavor, config.model.hf_dir
     if flavor and flavor not in FLAVORS:
         raise ConfigError(f"model.flavor: unknown flavor {flavor!r} "
                           f"(choose one of {', '.join(FLAVORS)})")
     if not hf_dir:
         name = flavor or "qwen3-debug"
-        return name, FLAVORS[name]
+        return name, _with_rope_scaling(config.model, FLAVORS[name])
     from models.hf_checkpoint import match_flavor, read_hf_config  # safetensors only when needed
 
     try:
@@ -276,7 +322,7 @@ def resolve_model(config: JobConfig) -> tuple[str, QwenArgs]:
     if flavor and flavor != inferred:
         raise ConfigError(f"model.flavor = {flavor!r} contradicts model.hf_dir {hf_dir}, whose "
                           f"config.json is {inferred or 'a custom architecture'}")
-    return inferred or f"custom ({Path(hf_dir).name})", args
+    return inferred or f"custom ({Path(hf_dir).name})", _with_rope_scaling(config.model, args)
 
 
 def _job_config_from_dict(cls: type, data: dict[str, Any]) -> Any:

@@ -54,12 +54,14 @@ def check_world(config: JobConfig, *, world: int) -> None:
                           f'use "fsdp2" or "slidedp" (./run_train.sh picks "{MULTI_RANK_MODE}")')
 
 
-def check_seq_len(seq_len: int, *, max_positions: int) -> None:
-    """training.seq_len against the positions the model was trained for; `max_positions` is the
-    model's effective limit (a RoPE scaling raises it)."""
-    if seq_len > max_positions:
-        raise ConfigError(f"training.seq_len = {seq_len} exceeds the model's {max_positions} "
-                          "positions (max_position_embeddings); use at most that")
+def check_seq_len(seq_len: int, args: QwenArgs) -> None:
+    """training.seq_len within the positions the model takes (QwenArgs.max_positions: a RoPE
+    scaling raises them)."""
+    if seq_len > args.max_positions():
+        advice = ("raise model.rope_scaling_factor" if args.rope_scaling else
+                  'set model.rope_scaling_type = "yarn" and model.rope_scaling_factor')
+        raise ConfigError(f"training.seq_len = {seq_len} exceeds the model's "
+                          f"{args.describe_positions()}: {advice}, or lower training.seq_len")
 
 
 def _check_hf_dir(hf_dir: str, args: QwenArgs) -> None:
@@ -220,7 +222,7 @@ def check_run(config: JobConfig, *, world: int, device: torch.device,
     them while tokenizing."""
     check_world(config, world=world)
     name, args = resolve_model(config)
-    check_seq_len(config.training.seq_len, max_positions=args.max_position_embeddings)
+    check_seq_len(config.training.seq_len, args)
     if config.model.hf_dir:
         _check_hf_dir(config.model.hf_dir, args)
     if config.training.dataset == "files":

@@ -185,7 +185,8 @@ def _describe_model(name: str, args: QwenArgs) -> str:
     n = args.num_params()
     published = PUBLISHED_BILLIONS.get(name)
     versus = f", published {published}B" if published is not None else ""
-    return f"model {name}: {n:,} parameters ({n / 1e9:.2f}B{versus}), {args.n_layers} layers"
+    return (f"model {name}: {n:,} parameters ({n / 1e9:.2f}B{versus}), {args.n_layers} layers, "
+            f"{args.describe_positions()}")
 
 
 def _log_kernels(config: JobConfig, args: QwenArgs, *, device: torch.device) -> None:

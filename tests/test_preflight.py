@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from models.args import RopeScaling
 from models.flavors import FLAVORS, get_flavor
 from models.hf_checkpoint import save_hf_checkpoint
 from recipes.config import ConfigError, JobConfig, parse_config
@@ -52,8 +53,9 @@ def test_a_good_config_passes_and_creates_its_output_folders(tmp_path):
 
 def test_seq_len_above_the_model_positions(tmp_path):
     message = refused(config_for(tmp_path, "--training.seq_len=1000000000"))
-    assert "training.seq_len = 1000000000" in message and "32768" in message
-    check_seq_len(65536, max_positions=131072)  # a RoPE-scaled model passes its own limit
+    assert "training.seq_len = 1000000000" in message and "32,768 positions" in message
+    yarn = RopeScaling("yarn", 4.0, original_max_position_embeddings=32768)
+    check_seq_len(131072, dataclasses.replace(DEBUG, rope_scaling=yarn))  # its own limit
     assert not (tmp_path / "out").exists()  # refused before the output folders are made
 
 
