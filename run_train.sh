@@ -2,14 +2,23 @@
 # Launch training (torchtitan style). Any TOML key can be overridden: --section.key=value.
 #
 #   ./run_train.sh                                         # train_configs/debug_cpu.toml, 1 process
-#   NGPU=2 ./run_train.sh --parallelism.mode=fsdp2         # 2 ranks (NCCL on GPUs, gloo on CPU)
+#   NGPU=2 ./run_train.sh                                  # 2 ranks (mode "single" becomes fsdp2)
+#   NGPU=2 ./run_train.sh --parallelism.mode=slidedp       # 2 ranks (NCCL on GPUs, gloo on CPU)
 #   CONFIG_FILE=train_configs/h200_qwen3_8b.toml NGPU=2 ./run_train.sh
-# Run it from the repository root (config paths are relative to it).
+# Run it from the repository root (config paths are relative to it). With NGPU >= 2 the whole
+# configuration (data records included) is checked once before torchrun starts the ranks, so a
+# mistake is one `error:` line and exit code 2.
 set -euo pipefail
 
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_cpu.toml}
 NGPU=${NGPU:-1}
 PYTHON=${PYTHON:-python3}
+
+if ! [[ "$NGPU" =~ ^[0-9]+$ ]] || (( 10#$NGPU < 1 )); then
+  echo "error: NGPU must be the number of ranks to start (1 or more), got '$NGPU'" >&2
+  exit 2
+fi
+NGPU=$(( 10#$NGPU ))
 
 # NVLink multicast (NVLS) stays off in NCCL, torch symmetric memory and NVSHMEM: on the shared
 # H200 hosts a program that uses it can take the GPUs out of service.
@@ -21,9 +30,16 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
   export OMP_NUM_THREADS
 fi
 
-if [[ "$NGPU" -eq 1 ]]; then
+for arg in "$@"; do
+  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then NGPU=1; fi  # help: one process prints it
+done
+if (( NGPU == 1 )); then
   exec "$PYTHON" -m recipes.train --job.config_file "$CONFIG_FILE" "$@"
 fi
+# The launch's checks and the flags it adds (mode "single" becomes "fsdp2" on several ranks).
+launch_flags=$("$PYTHON" -m recipes.preflight "$NGPU" --job.config_file "$CONFIG_FILE" "$@") \
+  || exit $?
+read -ra launch_flags <<< "$launch_flags"
 # torchrun, through the interpreter so that it is the same Python.
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-  -m recipes.train --job.config_file "$CONFIG_FILE" "$@"
+  -m recipes.train --job.config_file "$CONFIG_FILE" "$@" "${launch_flags[@]}"

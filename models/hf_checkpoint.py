@@ -26,6 +26,7 @@ from torch import nn
 from models.args import QwenArgs
 from models.flavors import FLAVORS
 from models.qwen import QwenModel
+from models.rope import rope_scaling_from_hf, rope_scaling_to_hf
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +90,8 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 
 
 def _check_supported(cfg: dict[str, Any], family: str, *, origin: str) -> None:
-    """Reject HF options that QwenModel does not implement, rather than train a different net."""
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{origin}: rope scaling {rope_type!r} is not supported (plain RoPE only)")
+    """Reject HF options that QwenModel does not implement, rather than train a different net
+    (RoPE scalings are checked by models/rope.py)."""
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{origin}: use_sliding_window=true is not supported")
     if family == "qwen3" and cfg.get("attention_bias"):
@@ -114,6 +112,8 @@ def args_from_hf_config(cfg: dict[str, Any], *, origin: str = CONFIG_FILE) -> Qw
     head_dim = _field(cfg, "head_dim", origin=origin,
                       default=dim // n_heads if family == "qwen2.5" else _REQUIRED)
     qwen3 = family == "qwen3"
+    # Defaults below are transformers' Qwen2Config / Qwen3Config defaults.
+    max_positions = int(_field(cfg, "max_position_embeddings", origin=origin, default=32768))
     return QwenArgs(
         family=family,
         dim=dim,
@@ -125,12 +125,12 @@ def args_from_hf_config(cfg: dict[str, Any], *, origin: str = CONFIG_FILE) -> Qw
         vocab_size=int(_field(cfg, "vocab_size", origin=origin)),
         qk_norm=qwen3,
         qkv_bias=not qwen3,
-        # Defaults below are transformers' Qwen2Config / Qwen3Config defaults.
         tie_embeddings=bool(_field(cfg, "tie_word_embeddings", origin=origin, default=False)),
         rope_theta=_rope_theta(cfg),
         norm_eps=float(_field(cfg, "rms_norm_eps", origin=origin, default=1e-6)),
-        max_position_embeddings=int(_field(cfg, "max_position_embeddings", origin=origin,
-                                           default=32768)),
+        max_position_embeddings=max_positions,
+        rope_scaling=rope_scaling_from_hf(cfg, max_position_embeddings=max_positions,
+                                          origin=origin),
     )
 
 
@@ -141,10 +141,11 @@ def read_hf_config(model_dir: PathLike) -> QwenArgs:
 
 
 def match_flavor(args: QwenArgs) -> str | None:
-    """Name of the FLAVORS entry with the same architecture (context length ignored), if any."""
-    key = dataclasses.replace(args, max_position_embeddings=0)
+    """Name of the FLAVORS entry with the same architecture (context length and RoPE scaling
+    ignored), if any."""
+    key = dataclasses.replace(args, max_position_embeddings=0, rope_scaling=None)
     for name, flavor in FLAVORS.items():
-        if dataclasses.replace(flavor, max_position_embeddings=0) == key:
+        if dataclasses.replace(flavor, max_position_embeddings=0, rope_scaling=None) == key:
             return name
     return None
 
@@ -160,7 +161,7 @@ def to_hf_config(args: QwenArgs, *, dtype: torch.dtype = torch.bfloat16,
         raise ValueError(f"{args.family} with qk_norm={args.qk_norm}, qkv_bias={args.qkv_bias} "
                          "has no Hugging Face architecture")
     dtype_name = str(dtype).removeprefix("torch.")
-    defaults = {"attention_dropout": 0.0, "initializer_range": 0.02, "rope_scaling": None,
+    defaults = {"attention_dropout": 0.0, "initializer_range": 0.02,
                 "max_window_layers": args.n_layers, "sliding_window": None, "use_cache": True}
     ours = {
         "architectures": [_ARCHITECTURE_OF_FAMILY[args.family]],
@@ -175,6 +176,7 @@ def to_hf_config(args: QwenArgs, *, dtype: torch.dtype = torch.bfloat16,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "max_position_embeddings": args.max_position_embeddings,
+        "rope_scaling": rope_scaling_to_hf(args.rope_scaling),
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
         "use_sliding_window": False,
@@ -185,8 +187,11 @@ def to_hf_config(args: QwenArgs, *, dtype: torch.dtype = torch.bfloat16,
     if qwen3:
         ours["attention_bias"] = False
     config = {**defaults, **(source_config or {}), **ours}
-    if isinstance(config.get("rope_parameters"), dict):
-        config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": args.rope_theta}
+    # transformers lets a top-level one override rope_scaling's; ours is in rope_scaling.
+    config.pop("original_max_position_embeddings", None)
+    if isinstance(config.get("rope_parameters"), dict):  # transformers 5's spelling, kept in step
+        config["rope_parameters"] = {"rope_theta": args.rope_theta,
+                                     **(ours["rope_scaling"] or {"rope_type": "default"})}
     return dict(sorted(config.items()))
 
 
@@ -286,15 +291,28 @@ def _mismatch_message(found: dict[str, torch.Size], expected: dict[str, torch.Si
     return "; ".join(parts) or None
 
 
+def _checked_entries(model_dir: PathLike, expected: dict[str, torch.Size], *,
+                     strict: bool) -> dict[str, _Entry]:
+    entries = _locate_tensors(model_dir)
+    problem = _mismatch_message({n: e.shape for n, e in entries.items()}, expected, strict=strict)
+    if problem:
+        raise ValueError(f"{model_dir}: checkpoint does not match the model: {problem}")
+    return entries
+
+
+def check_hf_tensors(model_dir: PathLike, args: QwenArgs) -> None:
+    """Raise (FileNotFoundError, ValueError or safetensors' SafetensorError) unless the
+    safetensors files exist and their headers hold exactly the tensors of `args`'s model; reads
+    headers only, so a run can check its checkpoint before anything is allocated."""
+    _checked_entries(model_dir, param_shapes(args), strict=True)
+
+
 def load_hf_into(dest: Callable[[str, torch.Tensor], None], model_dir: PathLike,
                  expected: dict[str, torch.Size], *, strict: bool = True) -> None:
     """Stream the checkpoint into `dest(name, tensor)`, one tensor at a time in the file's dtype
     (dest converts). Names and shapes are checked against `expected` before any data is read, so
     a mismatch leaves the destination untouched. strict=False tolerates missing/unexpected names."""
-    entries = _locate_tensors(model_dir)
-    problem = _mismatch_message({n: e.shape for n, e in entries.items()}, expected, strict=strict)
-    if problem:
-        raise ValueError(f"{model_dir}: checkpoint does not match the model: {problem}")
+    entries = _checked_entries(model_dir, expected, strict=strict)
     for name, tensor in _read_entries(entries, [n for n in entries if n in expected]):
         dest(name, tensor)
 

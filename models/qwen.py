@@ -12,6 +12,7 @@ from torch import nn
 
 from models.args import QwenArgs
 from models.kernels import TORCH_KERNELS, Kernels
+from models.rope import inv_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -27,12 +28,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(args: QwenArgs, seq_len: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_dim) in FP32 (HF's rotate-half layout)."""
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32,
-                                                  device=device) / args.head_dim))
+    """cos/sin tables of shape (seq_len, head_dim) in FP32 (HF's rotate-half layout), with
+    args.rope_scaling's frequencies and attention factor (models/rope.py)."""
+    inv, attention_factor = inv_frequencies(args, seq_len=seq_len, device=device)
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    if attention_factor == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
 class Attention(nn.Module):

@@ -8,13 +8,14 @@ can make in a config (unknown key, wrong type, bad choice, missing file) is repo
 import dataclasses
 import sys
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
-from models.args import QwenArgs
+from models.args import QwenArgs, RopeScaling
 from models.flavors import FLAVORS
 from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
@@ -54,6 +55,14 @@ class Model:
     (liger on CUDA when installed, else torch)."""
     attention: AttentionChoice = "auto"
     """SDPA backend on CUDA: "auto" (cuDNN, then flash, efficient, math), or only that one."""
+    rope_scaling_type: Literal["model", "none", "linear", "dynamic", "yarn"] = "model"
+    """RoPE scaling for long context: "model" (hf_dir's config.json rope_scaling; a flavor has
+    none), "none", or that type (as transformers defines it)."""
+    rope_scaling_factor: float = 0.0
+    """Positions x this factor; 0: the model's (a type the model lacks needs one)."""
+    original_max_position_embeddings: int = 0
+    """yarn: the pre-training positions it scales (Qwen's cards: 32768); 0: the model's, else
+    its max_position_embeddings."""
 
 
 @dataclass
@@ -81,6 +90,11 @@ class Training:
     state are always FP32."""
     init_on_meta: bool = False
     """Create weights on the meta device, init them in place after sharding (fast; fsdp2)."""
+    nonfinite: Literal["stop_consecutive", "stop_total", "skip", "off"] = "stop_consecutive"
+    """A step with a NaN/Inf loss or gradient norm skips its update (see README); "skip": go on,
+    "stop_*": stop after max_nonfinite_steps such steps in a row / in total; "off": no check."""
+    max_nonfinite_steps: int = 3
+    """Skipped steps (in a row, or in total since the start) that stop the run."""
 
 
 @dataclass
@@ -127,6 +141,10 @@ class Checkpoint:
     """Save every this many steps as well; 0: only at the end."""
     resume_from: str = ""
     """Continue exactly from a step-N directory with train_state/, or "latest" under save_dir."""
+    keep_latest_k: int = 3
+    """Keep the newest K complete saves and delete older ones (0: keep all)."""
+    async_mode: Literal["async", "disabled"] = "async"
+    """"async": write each save in the background from a snapshot; "disabled": the step waits."""
 
 
 @dataclass
@@ -153,18 +171,15 @@ class JobConfig:
     slidedp: SlideDPConfig = field(default_factory=SlideDPConfig)
 
 
-# Choices of fields annotated as plain `str` in sections this module does not own.
-_STR_CHOICES: dict[str, tuple[str, ...]] = {
-    "slidedp.delivery": ("replicated", "sharded"),
-    "slidedp.reduction": ("gpu", "cpu"),
-}
-
 # Numeric bounds: key -> (predicate, what it must be).
 _BOUNDS: dict[str, tuple[Any, str]] = {
     **{f"training.{k}": (lambda v: v >= 1, ">= 1") for k in
        ("steps", "seq_len", "local_batch_size", "grad_accum_steps", "loss_chunk_tokens")},
     "training.max_norm": (lambda v: v >= 0, ">= 0"),
+    "model.rope_scaling_factor": (lambda v: v == 0 or v >= 1, "0 (the model's) or >= 1"),
+    "model.original_max_position_embeddings": (lambda v: v >= 0, ">= 0"),
     "training.seed": (lambda v: v >= 0, ">= 0"),
+    "training.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
     "optimizer.lr": (lambda v: v > 0, "> 0"),
     "optimizer.beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optimizer.beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -173,8 +188,9 @@ _BOUNDS: dict[str, tuple[Any, str]] = {
     "lr_scheduler.warmup_steps": (lambda v: v >= 0, ">= 0"),
     "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "checkpoint.interval": (lambda v: v >= 0, ">= 0"),
+    "checkpoint.keep_latest_k": (lambda v: v >= 0, ">= 0"),
     "slidedp.window_slots": (lambda v: v >= 2, ">= 2"),
-    "slidedp.chunk_mib": (lambda v: v > 0, "> 0"),
+    "slidedp.chunk_mib": (lambda v: 0 < v <= 1024, "in (0, 1024]"),
     "slidedp.keep_blocks": (lambda v: v >= 0, ">= 0"),
     "slidedp.cpu_threads": (lambda v: v >= 0, ">= 0"),
     "metrics.log_freq": (lambda v: v >= 1, ">= 1"),
@@ -210,18 +226,25 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
     """The value if it fits the annotation (ints widened to float), else a ConfigError."""
     if not _matches(value, tp):
         raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
-    if key in _STR_CHOICES and value not in _STR_CHOICES[key]:
-        raise ConfigError(f"{key} must be {_type_name(Literal[_STR_CHOICES[key]])}, got {value!r}")
     if key in _BOUNDS and not _BOUNDS[key][0](value):
         raise ConfigError(f"{key} must be {_BOUNDS[key][1]}, got {value!r}")
     return float(value) if tp is float else value
+
+
+def _unknown_key(section: str, key: str, valid: Iterable[str]) -> ConfigError:
+    return ConfigError(f"unknown key {section}.{key} (valid keys: {', '.join(valid)})")
+
+
+def _unknown_section(name: str) -> ConfigError:
+    return ConfigError(f"unknown section [{name}] (valid sections: "
+                       f"{', '.join(get_type_hints(JobConfig))})")
 
 
 def _section_from_dict(cls: type, data: dict[str, Any], *, section: str) -> Any:
     hints = get_type_hints(cls)
     for key in data:
         if key not in hints:
-            raise ConfigError(f"unknown key {section}.{key} (valid keys: {', '.join(hints)})")
+            raise _unknown_key(section, key, hints)
     return cls(**{key: _check_value(f"{section}.{key}", value, hints[key])
                   for key, value in data.items()})
 
@@ -244,16 +267,52 @@ def _require_path(key: str, value: str, *, kind: Literal["file", "directory", "f
         raise ConfigError(f"{key}: {value} has no {must_contain}")
 
 
+def _with_rope_scaling(model: Model, args: QwenArgs) -> QwenArgs:
+    """`args` with the [model] RoPE scaling keys applied over the model's own scaling (a factor
+    or original positions alone change the model's; a type the model has keeps its other
+    fields)."""
+    kind, factor, original = (model.rope_scaling_type, model.rope_scaling_factor,
+                              model.original_max_position_embeddings)
+    current = args.rope_scaling
+    key = "model.rope_scaling_factor" if factor else "model.original_max_position_embeddings"
+    if kind == "none":
+        if factor or original:
+            raise ConfigError(f'{key} is set but model.rope_scaling_type = "none"')
+        return dataclasses.replace(args, rope_scaling=None)
+    if kind == "model" and current is None:
+        if factor or original:
+            raise ConfigError(f"{key} is set but the model has no RoPE scaling; set "
+                              'model.rope_scaling_type (e.g. "yarn") too')
+        return args
+    kind = current.rope_type if kind == "model" else kind
+    base = current if current is not None and current.rope_type == kind else None
+    if base is None and not factor:
+        raise ConfigError(f'model.rope_scaling_type = "{kind}" needs model.rope_scaling_factor '
+                          "(the model has no such scaling)")
+    fields: dict[str, Any] = {"factor": factor} if factor else {}
+    if original:
+        if kind not in ("yarn", "longrope", "llama3"):
+            raise ConfigError(f"model.original_max_position_embeddings: {kind} scaling does not "
+                              "take one (it scales max_position_embeddings)")
+        fields["original_max_position_embeddings"] = original
+    elif base is None and kind == "yarn":
+        fields["original_max_position_embeddings"] = args.max_position_embeddings
+    scaling = (dataclasses.replace(base, **fields) if base is not None
+               else RopeScaling(rope_type=kind, **fields))
+    return dataclasses.replace(args, rope_scaling=scaling)
+
+
 def resolve_model(config: JobConfig) -> tuple[str, QwenArgs]:
-    """(flavor name, architecture): the flavor, or what model.hf_dir's config.json says.
-    A custom architecture read from hf_dir that matches no flavor is named after the directory."""
+    """(flavor name, architecture): the flavor, or what model.hf_dir's config.json says, with
+    the [model] RoPE scaling keys applied. A custom architecture read from hf_dir that matches
+    no flavor is named after the directory."""
     flavor, hf_dir = config.model.flavor, config.model.hf_dir
     if flavor and flavor not in FLAVORS:
         raise ConfigError(f"model.flavor: unknown flavor {flavor!r} "
                           f"(choose one of {', '.join(FLAVORS)})")
     if not hf_dir:
         name = flavor or "qwen3-debug"
-        return name, FLAVORS[name]
+        return name, _with_rope_scaling(config.model, FLAVORS[name])
     from models.hf_checkpoint import match_flavor, read_hf_config  # safetensors only when needed
 
     try:
@@ -264,14 +323,14 @@ def resolve_model(config: JobConfig) -> tuple[str, QwenArgs]:
     if flavor and flavor != inferred:
         raise ConfigError(f"model.flavor = {flavor!r} contradicts model.hf_dir {hf_dir}, whose "
                           f"config.json is {inferred or 'a custom architecture'}")
-    return inferred or f"custom ({Path(hf_dir).name})", args
+    return inferred or f"custom ({Path(hf_dir).name})", _with_rope_scaling(config.model, args)
 
 
 def _job_config_from_dict(cls: type, data: dict[str, Any]) -> Any:
     sections = get_type_hints(cls)
     for name, table in data.items():
         if name not in sections:
-            raise ConfigError(f"unknown section [{name}] (valid sections: {', '.join(sections)})")
+            raise _unknown_section(name)
         if not isinstance(table, dict):
             raise ConfigError(f"{name} must be a [{name}] table, got {table!r}")
     return cls(**{name: _section_from_dict(sections[name], table, section=name)
@@ -349,26 +408,84 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"job.config_file: {path}: invalid TOML: {e}") from None
 
 
+def _cli_value(text: str, tp: Any) -> Any:
+    """A flag's text as the annotation's type where it parses (else the text itself, which
+    _check_value then refuses with the expected type)."""
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            return text
+    if type(None) in get_args(tp) and text == "None":
+        return None
+    return text
+
+
+def _check_cli_args(args: list[str]) -> list[str]:
+    """The flags as tyro takes them, every key spelled with underscores (as --help and the
+    README spell it; dashes are accepted too), each `--section.key=value` checked like a TOML
+    value: an unknown key, a wrong type, a bad choice or a bound is one ConfigError naming the
+    key instead of tyro's multi-line box. Booleans are flags (`--metrics.jsonl`,
+    `--metrics.no_jsonl`) or `=true` / `=false`."""
+    sections = get_type_hints(JobConfig)
+    out: list[str] = []
+    rest = iter(args)
+    for arg in rest:
+        if arg in ("-h", "--help"):
+            out.append(arg)
+            continue
+        if not arg.startswith("--") or "." not in arg.partition("=")[0]:
+            raise ConfigError(f"unexpected argument {arg!r} (flags are --section.key=value)")
+        name, eq, text = arg[2:].partition("=")
+        section, _, key = name.replace("-", "_").partition(".")
+        if section not in sections:
+            raise _unknown_section(section)
+        hints = get_type_hints(sections[section])
+        negated = key.startswith("no_") and hints.get(key[3:]) is bool
+        key = key[3:] if negated else key
+        if key not in hints:
+            raise _unknown_key(section, key, hints)
+        full, tp = f"{section}.{key}", hints[key]
+        if tp is bool:
+            value = not negated
+            if eq:
+                if negated or text.lower() not in ("true", "false"):
+                    raise ConfigError(f"{full} must be true or false, got {arg!r}")
+                value = text.lower() == "true"
+            out.append(f"--{section}.{'' if value else 'no_'}{key}")
+            continue
+        if not eq:
+            text = next(rest, None)
+            if text is None:
+                raise ConfigError(f"{full}: no value given (--{full}=VALUE)")
+        _check_value(full, _cli_value(text, tp), tp)
+        out.append(f"--{full}={text}")
+    return out
+
+
 def _job_config_manager():
-    """torchtitan's ConfigManager for JobConfig, with one-line errors and strict TOML types.
+    """torchtitan's ConfigManager for JobConfig, with one-line errors for TOML values and flags
+    alike, strict TOML types, and --help spelled as the README does (underscores).
     Defined on first use: importing torchtitan takes seconds, which processes that only need
     the dataclasses (ranks of a test, SlideDP workers) should not pay."""
-    from torchtitan.config.manager import ConfigManager
+    import tyro
+    from torchtitan.config.manager import ConfigManager, custom_registry
 
     class JobConfigManager(ConfigManager):
-        def _maybe_load_toml(self, args: list[str]) -> dict[str, Any] | None:
+        def parse_args(self, args: list[str]) -> JobConfig:
             self.toml_path = _config_file_arg(args)
-            return None if self.toml_path is None else _load_toml(self.toml_path)
+            base = JobConfig() if self.toml_path is None else self._from_toml(self.toml_path)
+            self.config = tyro.cli(JobConfig, args=_check_cli_args(args), default=base,
+                                   registry=custom_registry, use_underscores=True)
+            self._validate_config()
+            return self.config
 
-        def _maybe_add_custom_config(self, args: list[str],
-                                     toml_values: dict[str, Any] | None) -> type:
-            return self.config_cls  # no custom config modules: a TOML must not import code
-
-        def _dict_to_dataclass(self, cls: type, data: dict[str, Any]) -> Any:
+        def _from_toml(self, path: str) -> JobConfig:
+            data = _load_toml(path)
             try:
-                return _job_config_from_dict(cls, data)
+                return _job_config_from_dict(JobConfig, data)
             except ConfigError as e:
-                raise ConfigError(f"{self.toml_path}: {e}") from None
+                raise ConfigError(f"{path}: {e}") from None
 
         def _validate_config(self) -> None:
             check_config(self.config)
@@ -380,14 +497,13 @@ def _job_config_manager():
 
 
 def _config_file_arg(args: list[str]) -> str | None:
+    """The last --job.config_file given ("None": none, as tyro reads it)."""
+    path = None
     for i, arg in enumerate(args):
         key, eq, value = arg.partition("=")
         if key in ("--job.config_file", "--job.config-file"):
-            if eq:
-                return value
-            if i + 1 < len(args):
-                return args[i + 1]
-    return None
+            path = value if eq else args[i + 1] if i + 1 < len(args) else None
+    return None if path == "None" else path
 
 
 def parse_config(args: list[str]) -> JobConfig:

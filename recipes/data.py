@@ -7,7 +7,8 @@ Sources, chosen by file extension:
     remaining lines joined by "\\n" (a file without blank lines is one document).
   - `.parquet`: a `messages` or `text` column, read one row group at a time.
 A path is a file, a directory (its supported files, recursively, in sorted order) or a
-comma-separated list of those.
+comma-separated list of those. Every file must hold at least one document. A file that cannot be
+read as documents raises DataError naming it (and the line or row).
 
 Chat documents are rendered in Qwen's ChatML, "<|im_start|>{role}\\n{content}<|im_end|>\\n" per
 message; only assistant content and its <|im_end|> are loss targets.
@@ -38,6 +39,11 @@ DEFAULT_EOS = "<|endoftext|>"
 JSON_SUFFIXES = (".jsonl", ".json")
 SUPPORTED_SUFFIXES = (*JSON_SUFFIXES, ".txt", ".parquet")
 _ENCODE_BATCH = 1024  # segments per tokenizer call: amortizes the Rust call, bounds memory
+
+
+class DataError(ValueError):
+    """A data path that cannot be read as documents; the message names the file (and the line
+    or row)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +111,7 @@ def chat_document(messages: list[dict], *, where: str) -> Document:
     for message in messages:
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
-            raise ValueError(f"{where}: each message needs string 'role' and 'content', "
+            raise DataError(f"{where}: each message needs string 'role' and 'content', "
                              f"got {message!r}")
         role, content = message["role"], message["content"]
         if role == "assistant":
@@ -122,41 +128,52 @@ def record_document(record: object, *, where: str) -> Document:
         return chat_document(record["messages"], where=where)
     if isinstance(record, dict) and isinstance(record.get("text"), str):
         return plain_document(record["text"])
-    raise ValueError(f"{where}: expected an object with a 'text' string or a 'messages' list")
+    raise DataError(f"{where}: expected an object with a 'text' string or a 'messages' list")
+
+
+def _lines(path: Path) -> Iterator[tuple[str, str]]:
+    """("file:line", text) of every line, decoded one by one so a bad byte names its line."""
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            try:
+                yield where, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text ({e.reason})") from None
 
 
 def _read_json_lines(path: Path) -> Iterator[Document]:
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: malformed JSON ({e.msg})") from None
-            yield record_document(record, where=where)
+    for where, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: malformed JSON ({e.msg})") from None
+        yield record_document(record, where=where)
 
 
 def _read_text(path: Path) -> Iterator[Document]:
     lines: list[str] = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                lines.append(line.rstrip("\n"))
-            elif lines:
-                yield plain_document("\n".join(lines))
-                lines = []
+    for _, line in _lines(path):
+        if line.strip():
+            lines.append(line.rstrip("\r\n"))
+        elif lines:
+            yield plain_document("\n".join(lines))
+            lines = []
     if lines:
         yield plain_document("\n".join(lines))
 
 
 def _read_parquet(path: Path) -> Iterator[Document]:
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{path}: not a readable parquet file ({e})") from None
     names = parquet.schema_arrow.names
     column = next((c for c in ("messages", "text") if c in names), None)
     if column is None:
-        raise ValueError(f"{path}: no 'messages' or 'text' column (columns: {names})")
+        raise DataError(f"{path}: no 'messages' or 'text' column (columns: {names})")
     row = 0
     for group in range(parquet.num_row_groups):
         for value in parquet.read_row_group(group, columns=[column]).column(column).to_pylist():
@@ -165,11 +182,13 @@ def _read_parquet(path: Path) -> Iterator[Document]:
 
 
 def _read_documents(path: Path) -> Iterator[Document]:
-    if path.suffix in JSON_SUFFIXES:
-        return _read_json_lines(path)
-    if path.suffix == ".txt":
-        return _read_text(path)
-    return _read_parquet(path)
+    """The file's documents; raises DataError if it holds none."""
+    read = {".txt": _read_text, ".parquet": _read_parquet}.get(path.suffix, _read_json_lines)
+    count = 0
+    for count, doc in enumerate(read(path), start=1):
+        yield doc
+    if count == 0:
+        raise DataError(f"{path}: holds no documents (only blank lines or no rows)")
 
 
 def resolve_data_files(paths: str) -> list[Path]:
@@ -182,16 +201,19 @@ def resolve_data_files(paths: str) -> list[Path]:
             found = sorted(p for p in path.rglob("*")
                            if p.is_file() and p.suffix in SUPPORTED_SUFFIXES)
             if not found:
-                raise FileNotFoundError(f"no {supported} files under {path}")
+                raise DataError(f"no {supported} files under {path}")
             files += found
         elif path.is_file():
             if path.suffix not in SUPPORTED_SUFFIXES:
-                raise ValueError(f"{path}: unsupported data file type (use {supported})")
+                raise DataError(f"{path}: unsupported data file type (use {supported})")
             files.append(path)
         else:
-            raise FileNotFoundError(f"data path not found: {path}")
+            raise DataError(f"data path not found: {path}")
     if not files:
-        raise ValueError(f"no data paths given in {paths!r}")
+        raise DataError(f"no data paths given in {paths!r}")
+    for file in files:
+        if file.stat().st_size == 0:
+            raise DataError(f"{file}: the file is empty")
     return files
 
 

@@ -77,8 +77,12 @@ def format_line(step: int, m: dict[str, Any], *, total_steps: int, eta_s: float)
         parts.append(f"mfu {100 * m['mfu']:.1f}%")
     if m["peak_mem_alloc_gib"] is not None:
         parts.append(f"mem {m['peak_mem_alloc_gib']:.1f}/{m['peak_mem_reserved_gib']:.1f} GiB")
-    parts += [f"rss {m['peak_rss_gib']:.2f} GiB", f"{m['step_time_s']:.3f} s/step",
-              f"eta {format_duration(eta_s)}"]
+    parts += [f"rss {m['peak_rss_gib']:.2f} GiB", f"{m['step_time_s']:.3f} s/step"]
+    if "checkpoint_blocked_s" in m:
+        parts.append(f"save held the step {m['checkpoint_blocked_s']:.2f} s")
+    if m.get("update_skipped"):
+        parts.append("update skipped (not finite)")
+    parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
 
 

@@ -6,8 +6,9 @@ token-loss sum divided by the step's global target-token count, and FSDP2's grad
 is a plain sum, so the gradient is exactly the single-process gradient of the global batch.
 """
 
+import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -18,7 +19,7 @@ from torch.distributed._composable import checkpoint
 from models.args import QwenArgs
 from models.kernels import TORCH_KERNELS, Kernels, resolve_kernels
 from models.qwen import QwenModel, init_parameter
-from recipes.backend import Batch, StepResult
+from protocols.backend import Batch, StepResult
 from recipes.config import JobConfig
 
 
@@ -62,6 +63,38 @@ def clip_grad_norm(parameters: list[nn.Parameter], *, max_norm: float, sharded: 
     return norm.item()
 
 
+@torch.no_grad()
+def _create_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the (zero) moments and step counts now, through one step with zero gradients and
+    lr 0 that leaves every parameter bit for bit as it is, then reset the counts. Otherwise
+    torch.distributed.checkpoint's get_state_dict creates them itself with such a step and
+    keeps its count of 1: a save before the first applied update (all earlier steps skipped
+    as non-finite) would shift every later update's bias correction."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for p in params:
+        optimizer.state[p]["step"].zero_()
+
+
+def _eager_param_groups(model: nn.Module) -> dict[str, list[str]]:
+    """Parameter names per transformer block (and the rest), the units the Hugging Face export
+    reads back one at a time."""
+    groups: dict[str, list[str]] = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        key = ".".join(parts[:2]) if parts[0] == "layers" else "root"
+        groups.setdefault(key, []).append(name)
+    return groups
+
+
 @contextmanager
 def _single_process_dcp_allowed() -> Iterator[None]:
     """torch.distributed.checkpoint warns at every call made without a process group, which
@@ -86,7 +119,10 @@ class EagerBackend:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
             weight_decay=opt.weight_decay, fused=True if device.type == "cuda" else None)
-        self.steps_done = 0
+        _create_adam_state(self.optimizer)
+        self.guard = config.training.nonfinite != "off"
+        self.steps_done = 0  # train_step calls, skipped ones included (the loop's step)
+        self._host_copy: dict | None = None  # the snapshot's CPU buffers, reused by every save
 
     def _forward_context(self):
         if self.autocast:
@@ -107,12 +143,16 @@ class EagerBackend:
             (loss / global_target_tokens).backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(self.params, max_norm=self.max_norm, sharded=self.sharded)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         if self.sharded:
             dist.all_reduce(loss_sum)
+        loss = loss_sum.item()
+        # Both are global, so every rank takes the same decision.
+        skipped = self.guard and not (math.isfinite(grad_norm) and math.isfinite(loss))
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return StepResult(loss_sum=loss_sum.item(), grad_norm=grad_norm)
+        return StepResult(loss_sum=loss, grad_norm=grad_norm, skipped=skipped)
 
     def named_master_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.model.named_parameters():
@@ -126,17 +166,39 @@ class EagerBackend:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optim": optim_state, "steps_done": self.steps_done}
 
-    def save_state(self, path: str) -> None:
+    def snapshot_state(self, group: dist.ProcessGroup | None) -> Callable[[str], None]:
+        """A copy of the state in host memory (what torch's async_save stages), written by
+        torch.distributed.checkpoint; the copy costs the step, the write does not."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        state = self._checkpoint_state()
+        if self._host_copy is None:
+            self._host_copy = _create_cpu_state_dict(state, pin_memory=self.device.type == "cuda")
+        snapshot = _copy_state_dict(state, self._host_copy)  # synchronous: the copy is complete
+
+        def write(path: str) -> None:
+            with _single_process_dcp_allowed():
+                dcp.save(snapshot, checkpoint_id=path, process_group=group)
+
+        return write
+
+    def saved_master_parameters(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors from the saved (possibly sharded) checkpoint, one block at a time."""
         import torch.distributed.checkpoint as dcp
 
-        with _single_process_dcp_allowed():
-            dcp.save(self._checkpoint_state(), checkpoint_id=path)
+        shapes = {name: p.shape for name, p in self.model.named_parameters()}
+        for names in _eager_param_groups(self.model).values():
+            part = {"model": {n: torch.empty(shapes[n], dtype=torch.float32) for n in names}}
+            with _single_process_dcp_allowed():
+                dcp.load(part, checkpoint_id=path, no_dist=True)
+            yield from part["model"].items()
 
     def load_state(self, path: str) -> int:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        state = self._checkpoint_state()  # fresh optimizer state is created to be loaded into
+        state = self._checkpoint_state()  # the live tensors, loaded into in place
         with _single_process_dcp_allowed():
             dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],

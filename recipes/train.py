@@ -3,9 +3,12 @@
     python -m recipes.train --job.config_file X [--section.key=value ...]
 
 The loop is mode-agnostic: it draws micro-batches, counts the step's global target tokens, asks
-the backend of `parallelism.mode` for one optimizer step, logs and saves. A run resumed from a
-save (checkpoint.resume_from, see recipes/checkpoint.py) continues exactly where it stopped.
-Configuration errors are reported as one line (`error: ...`, exit code 2) before any work starts.
+the backend of `parallelism.mode` for one optimizer step, logs and saves (in the background). A
+run resumed from a save (checkpoint.resume_from, see recipes/checkpoint.py) continues exactly
+where it stopped. Configuration errors are reported as one line (`error: ...`, exit code 2)
+before any work starts, and so is a run folder that another run holds (recipes/run_lock.py).
+Faults: a step with a non-finite loss or gradient skips its update (recipes/nonfinite.py), and
+the ranks end together when their launcher or one of them dies (recipes/liveness.py).
 """
 
 import logging
@@ -15,7 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,14 +26,16 @@ import torch.distributed as dist
 from models.args import QwenArgs
 from models.flavors import PUBLISHED_BILLIONS
 from models.loss import IGNORE_INDEX
-from recipes.backend import Batch, StepResult, TrainBackend
-from recipes.checkpoint import (FORMAT_VERSION, TRAIN_STATE, read_meta, save_train_state,
-                                step_dir)
-from recipes.config import (ConfigError, JobConfig, parse_config, resolve_model,
-                            resolve_resume_dir)
+from protocols.backend import Batch, StepResult, TrainBackend
+from recipes.checkpoint import TRAIN_STATE, CheckpointSaver, HFExport, read_meta
+from recipes.config import ConfigError, JobConfig, parse_config
+from recipes.liveness import exit_with_launcher, watching_peers
 from recipes.lr_schedule import LRSchedule
 from recipes.metrics import MetricsLogger, memory, new_run_name, throughput
+from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.parallelize import build_backend, build_kernels
+from recipes.preflight import CheckedRun, check_run, data_error, load_checked_tokenizer
+from recipes.run_lock import FolderInUse, lock_run_folders
 
 logger = logging.getLogger("recipes")
 
@@ -83,20 +88,20 @@ class BatchSource(Protocol):
 
 def build_batches(config: JobConfig, args: QwenArgs, *, dp_rank: int,
                   dp_world: int) -> BatchSource:
-    """This rank's infinite stream of (input_ids, labels) micro-batches."""
+    """This rank's infinite stream of (input_ids, labels) micro-batches. A bad tokenizer or data
+    record is a ConfigError naming it (file:line), raised before any model is built."""
     training = config.training
     shape = dict(seq_len=training.seq_len, local_batch_size=training.local_batch_size,
                  dp_rank=dp_rank, dp_world=dp_world, seed=training.seed)
     if training.dataset == "synthetic":
         return SyntheticBatches(vocab_size=args.vocab_size, **shape)
-    from recipes.data import PackedDataLoader, load_tokenizer  # tokenizers/pyarrow only for files
+    from recipes.data import DataError, PackedDataLoader  # tokenizers/pyarrow only for files
 
-    tokenizer_dir = config.model.tokenizer_dir or config.model.hf_dir
-    tokenizer, eos_id = load_tokenizer(tokenizer_dir)
-    if tokenizer.get_vocab_size() > args.vocab_size:
-        raise ConfigError(f"model.tokenizer_dir: {tokenizer_dir} has {tokenizer.get_vocab_size()} "
-                          f"tokens, more than the model's vocab_size {args.vocab_size}")
-    return PackedDataLoader(training.dataset_path, tokenizer, eos_id=eos_id, **shape)
+    tokenizer, eos_id = load_checked_tokenizer(config, args)
+    try:
+        return PackedDataLoader(training.dataset_path, tokenizer, eos_id=eos_id, **shape)
+    except DataError as e:
+        raise data_error(e) from None
 
 
 def build_lr_schedule(config: JobConfig) -> LRSchedule:
@@ -147,49 +152,19 @@ def train_steps(backend: TrainBackend, batches: Iterable[Batch], schedule: LRSch
                           step_time=time.perf_counter() - start)
 
 
-def _save_hf_weights(backend: TrainBackend, config: JobConfig, args: QwenArgs, out: Path, *,
-                     rank: int) -> None:
-    """HF-format save to `out`. Every rank walks the parameters (gathering may communicate);
-    rank 0 writes."""
-    tensors = backend.named_master_parameters()
-    if rank != 0:
-        for _ in tensors:
-            pass
-        return
-    from models.hf_checkpoint import load_config_json, save_hf_checkpoint
-
+def hf_exporter(config: JobConfig, args: QwenArgs) -> HFExport:
+    """The Hugging Face export of a save: the model's config (the source model's, if it was
+    fine-tuned from one) and tokenizer with the weights."""
     hf_dir = config.model.hf_dir
-    save_hf_checkpoint(tensors, args, out,
-                       copy_tokenizer_from=config.model.tokenizer_dir or hf_dir or None,
-                       source_config=load_config_json(hf_dir) if hf_dir else None)
-    logger.info("saved Hugging Face checkpoint to %s", out)
 
+    def export(tensors: Iterator[tuple[str, torch.Tensor]], out: Path) -> None:
+        from models.hf_checkpoint import load_config_json, save_hf_checkpoint
 
-def save_checkpoint(backend: TrainBackend, config: JobConfig, args: QwenArgs, *, step: int,
-                    rank: int, run_meta: dict[str, Any], data: BatchSource) -> None:
-    """<save_dir>/step-<step>: the Hugging Face weights, then the exact train state in its
-    train_state/ (last: the HF save replaces the whole directory)."""
-    out = step_dir(config.checkpoint.save_dir, step)
-    _save_hf_weights(backend, config, args, out, rank=rank)
-    save_train_state(backend, out, {"step": step, **run_meta, "data": data.state_dict()},
-                     rank=rank)
+        save_hf_checkpoint(tensors, args, out,
+                           copy_tokenizer_from=config.model.tokenizer_dir or hf_dir or None,
+                           source_config=load_config_json(hf_dir) if hf_dir else None)
 
-
-def _run_meta(config: JobConfig, name: str, args: QwenArgs, *, world: int) -> dict[str, Any]:
-    """What a resumed run must share with the saved one."""
-    return {"mode": config.parallelism.mode, "world_size": world, "flavor": name,
-            "num_params": args.num_params(), "seed": config.training.seed}
-
-
-def check_resumable(directory: Path, *, run_meta: dict[str, Any]) -> dict[str, Any]:
-    """The saved run has this run's shape: before anything is built, one line if not. Returns
-    the save's meta.json."""
-    meta = read_meta(directory)
-    for key, value in {"format_version": FORMAT_VERSION, **run_meta}.items():
-        if meta.get(key) != value:
-            raise ConfigError(f"checkpoint.resume_from: {directory} was saved with {key} = "
-                              f"{meta.get(key)!r}, this run has {value!r}; resume with the same")
-    return meta
+    return export
 
 
 def load_checkpoint(backend: TrainBackend, data: BatchSource, directory: Path) -> int:
@@ -210,7 +185,8 @@ def _describe_model(name: str, args: QwenArgs) -> str:
     n = args.num_params()
     published = PUBLISHED_BILLIONS.get(name)
     versus = f", published {published}B" if published is not None else ""
-    return f"model {name}: {n:,} parameters ({n / 1e9:.2f}B{versus}), {args.n_layers} layers"
+    return (f"model {name}: {n:,} parameters ({n / 1e9:.2f}B{versus}), {args.n_layers} layers, "
+            f"{args.describe_positions()}")
 
 
 def _log_kernels(config: JobConfig, args: QwenArgs, *, device: torch.device) -> None:
@@ -249,13 +225,29 @@ def _init_distributed(device: torch.device, *, world: int) -> None:
                                 device_id=device_id)
 
 
+def _lock_run_folders(config: JobConfig, *, rank: int) -> list:
+    """Rank 0 locks the run's folders before anything is written; with a process group every
+    rank then raises the same one-line FolderInUse if another run holds one."""
+    locks, error = [], ""
+    if rank == 0:
+        try:
+            locks = lock_run_folders({"job.dump_folder": config.job.dump_folder,
+                                      "checkpoint.save_dir": config.checkpoint.save_dir})
+        except ConfigError as e:
+            error = str(e)
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise FolderInUse(error)
+    return locks
+
+
 def train(config: JobConfig) -> None:
+    exit_with_launcher()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    mode = config.parallelism.mode
-    if mode == "single" and world > 1:
-        raise ConfigError(f'parallelism.mode = "single" runs one process, but WORLD_SIZE={world}; '
-                          'use "fsdp2" or "slidedp"')
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
     if torch.cuda.is_available():
@@ -263,18 +255,25 @@ def train(config: JobConfig) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if mode != "single":
+    # Before anything is allocated; with several ranks the launcher read the data already.
+    checked = check_run(config, world=world, device=device, thorough=world == 1)
+    if config.parallelism.mode != "single":
         _init_distributed(device, world=world)
     try:
-        _run(config, rank=rank, world=world, device=device)
+        locks = _lock_run_folders(config, rank=rank)  # held until they are closed at exit
+        with watching_peers(rank=rank, world=world, expected=(ConfigError, NonFiniteStop)):
+            _run(config, checked, rank=rank, world=world, device=device)
+        for lock in locks:
+            lock.close()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> None:
+def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
+         device: torch.device) -> None:
     training = config.training
-    name, args = resolve_model(config)
+    name, args, resume_dir = checked.name, checked.args, checked.resume_dir
     if config.job.description:
         logger.info("%s", config.job.description)
     logger.info("%s", _describe_model(name, args))
@@ -287,14 +286,12 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
                 step_tokens, training.local_batch_size, training.seq_len,
                 training.grad_accum_steps, world)
     torch.manual_seed(training.seed)
-    run_meta = _run_meta(config, name, args, world=world)
-    resume_dir = resolve_resume_dir(config.checkpoint) if config.checkpoint.resume_from else None
     # A resumed run continues the metrics of the run it resumes (its TensorBoard run name is in
     # the save's meta.json; saves from before it was recorded get a new one).
     resume_step, run_name = 0, new_run_name(config.parallelism.mode)
     if resume_dir is not None:
-        saved = check_resumable(resume_dir, run_meta=run_meta)
-        resume_step, run_name = saved["step"], saved.get("run_name", run_name)
+        resumed = read_meta(resume_dir)
+        resume_step, run_name = resumed["step"], resumed.get("run_name", run_name)
     backend = build_backend(config, args, device=device, dp_rank=rank, dp_world=world)
     schedule = build_lr_schedule(config)
     metrics = MetricsLogger(config.job.dump_folder, enabled=rank == 0,
@@ -303,7 +300,12 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
                             tensorboard=config.metrics.enable_tensorboard,
                             run_name=run_name, start_step=resume_step)
     flops_per_token = args.flops_per_token(training.seq_len)
-    interval, save_dir = config.checkpoint.interval, config.checkpoint.save_dir
+    ckpt = config.checkpoint
+    saver = CheckpointSaver(backend, save_dir=ckpt.save_dir, keep_latest_k=ckpt.keep_latest_k,
+                            background=ckpt.async_mode == "async", rank=rank,
+                            export_hf=hf_exporter(config, args)) if ckpt.save_dir else None
+    nonfinite = NonFinitePolicy(training.nonfinite, limit=training.max_nonfinite_steps,
+                                log=rank == 0)
     try:
         start_step = 0
         if resume_dir is not None:
@@ -312,17 +314,32 @@ def _run(config: JobConfig, *, rank: int, world: int, device: torch.device) -> N
         for out in train_steps(backend, batches, schedule, steps=training.steps,
                                grad_accum_steps=training.grad_accum_steps, device=device,
                                start_step=start_step):
+            saved = {}
+            if saver is not None:
+                saver.raise_failure()  # of a background save that has ended since
+                if out.step == training.steps or (ckpt.interval and out.step % ckpt.interval == 0):
+                    meta = {**checked.run_meta, "run_name": metrics.run_name,
+                            "data": batches.state_dict()}
+                    saved["checkpoint_blocked_s"] = saver.save(out.step, meta)
             metrics.log(out.step, {
                 "loss": out.loss, "lr": out.lr, "grad_norm": out.result.grad_norm,
-                "target_tokens": out.target_tokens,
+                "target_tokens": out.target_tokens, "update_skipped": out.result.skipped,
                 **throughput(global_tokens=step_tokens, step_time=out.step_time,
                              flops_per_token=flops_per_token, world=world,
                              on_cuda=device.type == "cuda"),
-                **memory(device), "step_time_s": out.step_time, **out.result.extra})
-            if save_dir and (out.step == training.steps or (interval and out.step % interval == 0)):
-                save_checkpoint(backend, config, args, step=out.step, rank=rank,
-                                run_meta={**run_meta, "run_name": metrics.run_name},
-                                data=batches)
+                **memory(device), "step_time_s": out.step_time, **saved, **out.result.extra})
+            nonfinite.observe(out.step, skipped=out.result.skipped, loss=out.loss,
+                              grad_norm=out.result.grad_norm)
+    except BaseException:
+        if saver is not None:  # the save in flight still completes, before the state goes
+            try:
+                saver.wait()
+            except RuntimeError as e:
+                logger.error("%s", e)
+        raise
+    else:
+        if saver is not None:
+            saver.wait()
     finally:
         metrics.close()
         backend.close()
@@ -333,8 +350,13 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config(sys.argv[1:] if argv is None else argv)
         train(config)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:  # every rank finds the same mistake: print once
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteStop as e:  # raised by every rank at the same step
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,22 +1,28 @@
 """The `[slidedp]` TOML section."""
 
 from dataclasses import dataclass
+from typing import Literal
+
+DeliveryRoute = Literal["replicated", "sharded"]
+"""Host->GPU parameter routes (slidedp/delivery.py)."""
+ReductionRoute = Literal["gpu", "cpu"]
+"""GPU->host gradient routes (slidedp/update.py)."""
 
 
 @dataclass
 class SlideDPConfig:
     """Knobs of the host-resident streaming runtime (used when parallelism.mode = "slidedp")."""
 
-    delivery: str = "sharded"
+    delivery: DeliveryRoute = "sharded"
     """Parameter route host->GPU: "replicated" (every rank copies the whole block) or "sharded"
     (each rank copies 1/R, then all-gather on the GPUs)."""
-    reduction: str = "gpu"
+    reduction: ReductionRoute = "gpu"
     """Gradient route GPU->host: "gpu" (reduce-scatter on the GPUs, one aggregated shard per rank
     returns) or "cpu" (every rank returns its full gradient, the host sums)."""
     window_slots: int = 3
     """GPU parameter slots for transformer blocks (>= 2: one computing, one being delivered)."""
     chunk_mib: float = 32.0
-    """Chunk size in MiB for the cast/H2D and D2H/update pipelines inside a block."""
+    """Chunk size in MiB (at most 1024) for the cast/H2D and D2H/update pipelines inside a block."""
     activation: str = "recompute"
     """Activation policy of every block: "keep", "recompute", "selective" (attention outputs
     saved), "segments(S+S...)" (the named block segments kept, the rest replayed),

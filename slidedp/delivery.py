@@ -6,10 +6,13 @@ Two routes over the same host layout:
               (aggregate host traffic independent of R).
 """
 
+from typing import get_args
+
 import torch
 import torch.distributed as dist
 
 from slidedp.collectives import all_gather_single
+from slidedp.config import DeliveryRoute
 from slidedp.host_state import SharedHostState
 from slidedp.layout import Unit
 from slidedp.streams import Streams
@@ -19,10 +22,12 @@ from slidedp.traffic import Traffic
 class Delivery:
     """Issues one unit's host->device copy (and all-gather) on the delivery stream."""
 
-    def __init__(self, state: SharedHostState, streams: Streams, *, route: str, rank: int,
-                 world: int, group: dist.ProcessGroup | None, chunk_elems: int, traffic: Traffic):
-        if route not in ("replicated", "sharded"):
-            raise ValueError(f"slidedp.delivery must be 'replicated' or 'sharded', got {route!r}")
+    def __init__(self, state: SharedHostState, streams: Streams, *, route: DeliveryRoute,
+                 rank: int, world: int, group: dist.ProcessGroup | None, chunk_elems: int,
+                 traffic: Traffic):
+        if route not in get_args(DeliveryRoute):
+            raise ValueError(f"slidedp.delivery must be one of {get_args(DeliveryRoute)}, "
+                             f"got {route!r}")
         self.state, self.streams, self.route = state, streams, route
         self.rank, self.world, self.group = rank, world, group
         self.chunk, self.traffic = chunk_elems, traffic

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from slidedp.config import SlideDPConfig
 from slidedp.layout import StateLayout
 from slidedp.streams import register_host, unregister_host
 
@@ -46,6 +47,16 @@ class HostStatePlan:
     """Keep an FP32 gradient buffer (accumulation / clipping)."""
     cpu_staging: bool
     """Per-rank full-gradient return buffers (CPU-side reduction)."""
+
+    @classmethod
+    def for_run(cls, cfg: SlideDPConfig, *, grad_accum_steps: int, max_norm: float,
+                nonfinite: str) -> "HostStatePlan":
+        """The regions a run needs: gradients wait on the host with accumulation, or when the
+        updates wait for the step's global norm (clipping, or the non-finite guard unless
+        training.nonfinite = "off")."""
+        deferred = max_norm > 0 or nonfinite != "off"
+        return cls(bf16_shadow=cfg.bf16_shadow, grad_accum=grad_accum_steps > 1 or deferred,
+                   cpu_staging=cfg.reduction == "cpu")
 
 
 def _region_sizes(layout: StateLayout, plan: HostStatePlan) -> list[tuple[str, torch.dtype, int]]:
@@ -68,11 +79,20 @@ def host_state_bytes(layout: StateLayout, plan: HostStatePlan) -> int:
                for _, dtype, numel in _region_sizes(layout, plan))
 
 
-def available_host_bytes() -> int:
-    """Memory the kernel reports as available for new allocations (MemAvailable)."""
+def _meminfo_bytes(field: str) -> int:
     with open("/proc/meminfo") as f:
         meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return meminfo["MemAvailable"]
+    return meminfo[field]
+
+
+def available_host_bytes() -> int:
+    """Memory the kernel reports as available for new allocations (MemAvailable)."""
+    return _meminfo_bytes("MemAvailable")
+
+
+def total_host_bytes() -> int:
+    """The host's physical memory (MemTotal)."""
+    return _meminfo_bytes("MemTotal")
 
 
 class SharedHostState:

@@ -2,26 +2,32 @@
 
 Rank r of R writes `slidedp-rank{r}-of-{R}.safetensors` with its shard (`Unit.shard(r, R)`,
 padding included) of every unit in each of the regions `master`, `exp_avg`, `exp_avg_sq`, named
-`{region}.u{unit}` (e.g. `master.u12`), and the optimizer step count in the file's metadata.
+`{region}.u{unit}` (e.g. `master.u12`), and the step counts in the file's metadata (the
+backend's steps, and Adam's, which skipped non-finite steps do not advance).
 The BF16 shadow is not saved: it is the master rounded, rebuilt on load.
 
-The file is written tensor by tensor straight from the shared mapping (safetensors' own writer
-would need a copy of the whole shard in memory), and read back one tensor at a time.
+The file is written unit by unit, in an order the caller chooses, straight from the shared
+mapping (safetensors' own writer would need a copy of the whole shard in memory), and read back
+one tensor at a time. Written unit by unit so that a save running in the background can let
+each unit's next update go as soon as that unit is on disk (SlideDPBackend.snapshot_state).
 """
 
+import contextlib
 import json
+import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from slidedp.host_state import SharedHostState
+from slidedp.layout import StateLayout, Unit
 
 REGIONS = ("master", "exp_avg", "exp_avg_sq")
-_STEPS_KEY = "steps_done"
+_STEPS_KEY, _ADAM_STEPS_KEY = "steps_done", "adam_steps"
 _FILE = re.compile(r"slidedp-rank\d+-of-(\d+)\.safetensors")
 
 
@@ -29,12 +35,11 @@ def state_file(directory: str, *, rank: int, world: int) -> Path:
     return Path(directory) / f"slidedp-rank{rank}-of-{world}.safetensors"
 
 
-def _owned_shards(state: SharedHostState) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, view into the shared mapping) of every region's shard of every unit."""
+def _unit_shards(state: SharedHostState, unit: Unit) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view into the shared mapping) of this rank's shard of `unit`, every region."""
+    lo, hi = unit.shard(state.rank, state.world)
     for region in REGIONS:
-        for unit in state.layout.units:
-            lo, hi = unit.shard(state.rank, state.world)
-            yield f"{region}.u{unit.index}", state.unit_view(region, unit.index, lo, hi)
+        yield f"{region}.u{unit.index}", state.unit_view(region, unit.index, lo, hi)
 
 
 def _header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
@@ -50,15 +55,22 @@ def _header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -
     return text + b" " * (-len(text) % 8)
 
 
-def save_shards(state: SharedHostState, directory: str, *, steps_done: int) -> None:
-    """Write this rank's shards; the caller makes sure its updates have finished."""
-    tensors = list(_owned_shards(state))
-    header = _header(tensors, {_STEPS_KEY: str(steps_done)})
+def save_shards(state: SharedHostState, directory: str, *, steps_done: int, adam_steps: int,
+                units: list[Unit], unit_written: Callable[[Unit], None]) -> None:
+    """Write this rank's shards of `units` (every unit, in the order to write them), calling
+    `unit_written(unit)` once a unit's bytes have left the shared mapping. The caller makes sure
+    no update of this rank touches a unit before it is written."""
+    tensors = [named for unit in units for named in _unit_shards(state, unit)]
+    header = _header(tensors, {_STEPS_KEY: str(steps_done), _ADAM_STEPS_KEY: str(adam_steps)})
     with open(state_file(directory, rank=state.rank, world=state.world), "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        for _, t in tensors:
-            f.write(t.numpy().data)  # host memory, little-endian FP32 as safetensors stores it
+        for unit in units:
+            for _, t in _unit_shards(state, unit):
+                f.write(t.numpy().data)  # host memory, little-endian FP32 as safetensors stores it
+            unit_written(unit)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the save is marked complete
 
 
 def _saved_world_sizes(directory: str) -> list[int]:
@@ -66,18 +78,34 @@ def _saved_world_sizes(directory: str) -> list[int]:
                    if (m := _FILE.fullmatch(p.name))})
 
 
-def load_shards(state: SharedHostState, directory: str) -> int:
-    """Read this rank's shards into the host state; returns the saved optimizer step count."""
+def load_shards(state: SharedHostState, directory: str) -> tuple[int, int]:
+    """Read this rank's shards into the host state; returns the saved (steps, Adam steps)."""
     path = state_file(directory, rank=state.rank, world=state.world)
     if not path.is_file():
         raise ValueError(f"{directory} holds SlideDP state of world size "
                          f"{_saved_world_sizes(directory) or 'none'}, this run has {state.world} "
                          "ranks: resume with the same number of ranks")
     with safe_open(path, framework="pt") as f:
-        for name, dest in _owned_shards(state):
-            saved = f.get_tensor(name)
-            if saved.shape != dest.shape:
-                raise ValueError(f"{path}: {name} has {saved.numel()} elements, this model's "
-                                 f"shard {dest.numel()}: saved from a different model")
-            dest.copy_(saved)
-        return int(f.metadata()[_STEPS_KEY])
+        for unit in state.layout.units:
+            for name, dest in _unit_shards(state, unit):
+                saved = f.get_tensor(name)
+                if saved.shape != dest.shape:
+                    raise ValueError(f"{path}: {name} has {saved.numel()} elements, this model's "
+                                     f"shard {dest.numel()}: saved from a different model")
+                dest.copy_(saved)
+        meta = f.metadata()
+    steps = int(meta[_STEPS_KEY])
+    return steps, int(meta.get(_ADAM_STEPS_KEY, steps))  # saves from before skipping existed
+
+
+def read_master(layout: StateLayout, directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full FP32 master weights by parameter name, assembled unit by unit from every rank's
+    file in `directory` (written for `layout.world` ranks)."""
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(safe_open(state_file(directory, rank=r, world=layout.world),
+                                               framework="pt"))
+                 for r in range(layout.world)]
+        for unit in layout.units:
+            flat = torch.cat([f.get_tensor(f"master.u{unit.index}") for f in files])
+            for p in unit.params:
+                yield p.name, flat[p.offset:p.offset + p.numel].view(p.shape)

@@ -10,12 +10,14 @@ chunks are issued up front so Adam starts on the first chunk while the rest are 
 """
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.distributed as dist
 
 from slidedp import cpu_adam
 from slidedp.collectives import reduce_scatter_single
+from slidedp.config import ReductionRoute
 from slidedp.host_state import SharedHostState
 from slidedp.layout import Unit
 from slidedp.streams import Streams
@@ -40,11 +42,12 @@ class GradientReturn:
     """Brings a unit's summed gradient shard home, yielding (start, end, host_grad) chunks in
     unit-local coordinates of this rank's shard."""
 
-    def __init__(self, state: SharedHostState, streams: Streams, *, route: str, rank: int,
-                 world: int, group: dist.ProcessGroup | None, chunk_elems: int, traffic: Traffic,
-                 max_unit: int, threads: int):
-        if route not in ("gpu", "cpu"):
-            raise ValueError(f"slidedp.reduction must be 'gpu' or 'cpu', got {route!r}")
+    def __init__(self, state: SharedHostState, streams: Streams, *, route: ReductionRoute,
+                 rank: int, world: int, group: dist.ProcessGroup | None, chunk_elems: int,
+                 traffic: Traffic, max_unit: int, threads: int):
+        if route not in get_args(ReductionRoute):
+            raise ValueError(f"slidedp.reduction must be one of {get_args(ReductionRoute)}, "
+                             f"got {route!r}")
         self.state, self.streams, self.route = state, streams, route
         self.rank, self.world, self.group = rank, world, group
         self.chunk, self.traffic, self.threads = chunk_elems, traffic, threads
@@ -107,8 +110,12 @@ class GradientReturn:
     def _cpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, token: int, *,
                    norm: bool):
         st = self.state
-        # Buffer release: every owner must have consumed our previous return of this unit.
-        st.wait_counter(st.consumed[unit.index], token - 1, what=f"consumption of unit {unit.index}")
+        # Buffer release: every owner must have consumed our previous return of this unit, whose
+        # token is the one we last marked ready (not token - 1: micro-batches that took the gpu
+        # route in between returned nothing here).
+        previous = int(st.ready[unit.index, self.rank])
+        st.wait_counter(st.consumed[unit.index], previous,
+                        what=f"consumption of unit {unit.index}")
         mine = st.staging_view(self.rank, unit.index)
         events = []
         for start in range(0, unit.padded, self.chunk):

@@ -31,8 +31,8 @@ def global_batches(*, steps: int, accum: int, batch: int, seq: int, vocab: int, 
 
 def make_config(variant: dict, *, accum: int, max_norm: float, kernels: str = "auto",
                 batch: int = 2, seq: int = 16) -> JobConfig:
-    """The test runs' config; `batch` x `seq` is a rank's micro-batch (what SlideDP's activation
-    offload pool is sized for)."""
+    """`variant`: [slidedp] fields, and optionally training.nonfinite as "nonfinite"; `batch` x
+    `seq` is a rank's micro-batch (what SlideDP's activation offload pool is sized for)."""
     cfg = JobConfig()
     cfg.model.kernels = kernels
     cfg.training.grad_accum_steps, cfg.training.max_norm = accum, max_norm
@@ -40,7 +40,7 @@ def make_config(variant: dict, *, accum: int, max_norm: float, kernels: str = "a
     cfg.training.loss_chunk_tokens = 40
     cfg.optimizer.lr = 1e-3
     for key, value in variant.items():
-        setattr(cfg.slidedp, key, value)
+        setattr(cfg.training if key == "nonfinite" else cfg.slidedp, key, value)
     return cfg
 
 
@@ -70,6 +70,8 @@ def main() -> None:
                           vocab=args.vocab_size, seed=7)
     results = []
     for i, variant in enumerate(json.loads(a.variants)):
+        # [[delivery, reduction], ...]: set_routes before each step (not a slidedp field)
+        route_steps = variant.pop("routes_per_step", None)
         cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm, kernels=a.kernels,
                           batch=a.batch, seq=a.seq)
         backend = SlideDPBackend(cfg, args, device=device, dp_rank=rank, dp_world=world)
@@ -77,7 +79,10 @@ def main() -> None:
         predicted = a.accum * sum(backend.activation_costs[p].host.at(a.batch, a.seq)
                                   for p in backend.policies) / 2**20
         losses, norms, counters = [], [], []
-        for micro in data:
+        for step, micro in enumerate(data):
+            if route_steps:
+                delivery, reduction = route_steps[step]
+                backend.set_routes(delivery=delivery, reduction=reduction)
             ntok = sum(int((y != -100).sum()) for _, y in micro)
             mine = [(x[rank * a.batch:(rank + 1) * a.batch], y[rank * a.batch:(rank + 1) * a.batch])
                     for x, y in micro]

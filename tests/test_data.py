@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from models.loss import IGNORE_INDEX
-from recipes.data import (PackedDataLoader, epoch_permutation, load_tokenizer, read_documents,
-                          record_document, tokenize_corpus)
+from recipes.data import (DataError, PackedDataLoader, epoch_permutation, load_tokenizer,
+                          read_documents, record_document, tokenize_corpus)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 TINY = ASSETS / "tiny"
@@ -204,7 +204,7 @@ def test_error_messages(tok, tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json not found in"):
         load_tokenizer(tmp_path)
     missing = tmp_path / "nope.jsonl"
-    with pytest.raises(FileNotFoundError, match=f"data path not found: {missing}"):
+    with pytest.raises(DataError, match=f"data path not found: {missing}"):
         make_loader(tok, missing)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n{"text": oops}\n')

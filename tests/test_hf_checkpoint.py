@@ -1,5 +1,6 @@
 """Round trips between QwenModel and Hugging Face model directories (config.json + safetensors)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.args import QwenArgs
 from models.flavors import FLAVORS
 from models.hf_checkpoint import (
     CONFIG_FILE,
@@ -52,9 +54,10 @@ QWEN25_7B_CONFIG = {
 }
 
 
-def make_model(flavor: str, *, seed: int = 0) -> QwenModel:
+def make_model(flavor: str, *, seed: int = 0, args: QwenArgs | None = None) -> QwenModel:
+    """A random `flavor` (or `args`) model; the same seed gives the same weights."""
     torch.manual_seed(seed)
-    model = QwenModel(FLAVORS[flavor])
+    model = QwenModel(args or FLAVORS[flavor])
     model.init_weights()
     return model
 
@@ -185,6 +188,25 @@ def test_transformers_v5_rope_parameters(tmp_path: Path) -> None:
     assert saved["rope_parameters"]["rope_theta"] == args.rope_theta
 
 
+def test_rope_scaling_round_trips_and_replaces_the_source_config() -> None:
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    source = {**QWEN3_8B_CONFIG, "rope_scaling": yarn}
+    args = args_from_hf_config(source)
+    assert args.rope_scaling is not None and args.max_positions() == 131072
+    saved = to_hf_config(args, source_config=source)
+    assert saved["rope_scaling"] == yarn and args_from_hf_config(saved) == args
+    # A run that changed the scaling (or turned it off) saves its own, in both spellings.
+    factor8 = dataclasses.replace(args.rope_scaling, factor=8.0)
+    v5 = {**source, "rope_scaling": None, "rope_parameters": {"rope_theta": 1e6, **yarn}}
+    saved = to_hf_config(dataclasses.replace(args, rope_scaling=factor8), source_config=v5)
+    assert saved["rope_scaling"] == {**yarn, "factor": 8.0}
+    assert saved["rope_parameters"] == {"rope_theta": 1e6, **yarn, "factor": 8.0}
+    saved = to_hf_config(dataclasses.replace(args, rope_scaling=None), source_config=v5)
+    assert saved["rope_scaling"] is None
+    assert saved["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
+    assert args_from_hf_config(saved).rope_scaling is None
+
+
 def test_save_replaces_existing_and_crash_leaves_nothing(tmp_path: Path) -> None:
     model, out = make_model("qwen3-debug"), tmp_path / "out"
     out.mkdir()
@@ -282,8 +304,8 @@ def test_config_errors(tmp_path: Path) -> None:
         read_hf_config(tmp_path)
     with pytest.raises(ValueError, match="missing field 'head_dim'"):
         args_from_hf_config({k: v for k, v in QWEN3_8B_CONFIG.items() if k != "head_dim"})
-    with pytest.raises(ValueError, match="rope scaling 'yarn'"):
-        args_from_hf_config({**QWEN3_8B_CONFIG, "rope_scaling": {"rope_type": "yarn"}})
+    with pytest.raises(ValueError, match="config.json: rope scaling 'mrope' is not supported"):
+        args_from_hf_config({**QWEN3_8B_CONFIG, "rope_scaling": {"rope_type": "mrope"}})
     (tmp_path / CONFIG_FILE).write_text("{not json")
     with pytest.raises(ValueError, match="invalid JSON"):
         read_hf_config(tmp_path)
@@ -324,16 +346,39 @@ def test_load_errors(tmp_path: Path) -> None:
         load_hf_into_model(model, tmp_path / "qwen3")
 
 
+# config.json rope_scaling for a tiny model of 32 positions, compared on 48-token sequences (so
+# dynamic NTK and longrope take their long-sequence frequencies).
+TINY_ROPE_SCALINGS = [
+    None,
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "longrope", "original_max_position_embeddings": 32, "factor": 2.0,
+     "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [1.0 + i for i in range(8)]},
+    {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+]
+
+
+@pytest.mark.parametrize("rope_scaling", TINY_ROPE_SCALINGS,
+                         ids=lambda r: r["rope_type"] if r else "default")
 @pytest.mark.parametrize("flavor", DEBUG_FLAVORS)
-def test_transformers_loads_saved_dir(tmp_path: Path, flavor: str) -> None:
+def test_transformers_loads_saved_dir(tmp_path: Path, flavor: str, rope_scaling) -> None:
+    """Our logits equal transformers' Qwen3ForCausalLM / Qwen2ForCausalLM on the saved
+    directory, RoPE scaling included (read by transformers from the config.json we write)."""
     transformers = pytest.importorskip("transformers")
-    model = make_model(flavor)
-    save_hf_checkpoint(model.named_parameters(), model.args, tmp_path, dtype=torch.float32)
-    cls = transformers.Qwen3ForCausalLM if model.args.family == "qwen3" else \
+    base = dataclasses.replace(FLAVORS[flavor], max_position_embeddings=32)
+    args = args_from_hf_config({**to_hf_config(base), "rope_scaling": rope_scaling})
+    model, plain = make_model(flavor, args=args), make_model(flavor, args=base)
+    save_hf_checkpoint(model.named_parameters(), args, tmp_path, dtype=torch.float32)
+    assert read_hf_config(tmp_path) == args
+    cls = transformers.Qwen3ForCausalLM if args.family == "qwen3" else \
         transformers.Qwen2ForCausalLM
     hf_model = cls.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
-    tokens = torch.randint(0, model.args.vocab_size, (2, 12))
+    tokens = torch.randint(0, args.vocab_size, (2, 48))
     with torch.no_grad():
         ours = model(tokens) @ model.head_weight().T
         theirs = hf_model(tokens).logits
+        unscaled = plain(tokens) @ plain.head_weight().T
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+    assert (rope_scaling is None) == torch.allclose(unscaled, ours, atol=1e-3, rtol=0)

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from models.flavors import get_flavor
-from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
+from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint, staging_dir
 from slidedp.host_state import HostStatePlan, SharedHostState
 from slidedp.layout import StateLayout
 from slidedp.state_file import load_shards
@@ -85,10 +85,12 @@ def keep_first_half_of_metrics(src: Path, dst: Path) -> None:
 
 
 def cut_last_save_short(out: Path) -> None:
-    """What a crash during the last save leaves: HF weights written, train_state half."""
+    """What a crash during the last save leaves: HF weights written, the train state not yet
+    marked complete and moved into place."""
     last = out / "hf" / f"step-{STEPS}"
-    (last / TRAIN_STATE).rename(last / f"{TRAIN_STATE}.tmp")
-    (last / f"{TRAIN_STATE}.tmp" / META_FILE).unlink()
+    staging = staging_dir(str(out / "hf"), STEPS)
+    (last / TRAIN_STATE).rename(staging)
+    (staging / META_FILE).unlink()
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +133,20 @@ def test_two_ranks_resume_exactly(mode, slidedp_run, tmp_path):
     assert_same_state(train_state(second / final, tmp_path), train_state(first / final, tmp_path))
     assert_same_state(load_file(second / final / "model.safetensors"),
                       load_file(first / final / "model.safetensors"))
+
+
+def test_background_saves_equal_blocking_ones_and_keep_the_newest(slidedp_run, tmp_path):
+    """The fixture's saves were written in the background while later steps ran; this run waits
+    for every save, saves at every step and keeps the newest 2."""
+    first, full = slidedp_run
+    blocking = train(tmp_path, "slidedp", "--checkpoint.async_mode=disabled",
+                     "--checkpoint.interval=1", "--checkpoint.keep_latest_k=2")
+    assert_resumed_exactly(full, blocking)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        ".lock", f"step-{STEPS - 1}", f"step-{STEPS}"]
+    final = f"hf/step-{STEPS}"
+    assert_same_state(train_state(tmp_path / final, tmp_path), train_state(first / final, tmp_path))
+    assert all(r["checkpoint_blocked_s"] > 0 for r in blocking)
 
 
 def test_slidedp_world_size_mismatch_is_one_line(slidedp_run):

@@ -133,8 +133,28 @@ def test_two_ranks_clipping_without_accumulation(tmp_path):
         assert later["host_clipped_update_s"] > 0 and "host_update_s" not in later
 
 
+def test_routes_switch_between_steps_in_every_direction(tmp_path):
+    """set_routes through all 12 transitions of the four datapaths (an Eulerian circuit), with
+    accumulation: the cpu route's buffer release must not wait for returns the gpu route never
+    made (it hung on cpu -> gpu -> cpu)."""
+    a, b = ["sharded", "cpu"], ["sharded", "gpu"]
+    c, d = ["replicated", "cpu"], ["replicated", "gpu"]
+    circuit = [a, b, a, c, a, d, b, c, b, d, c, d, a]
+    variants = [{"delivery": "sharded", "reduction": "cpu", "routes_per_step": circuit}]
+    kw = dict(flavor="qwen3-debug", steps=len(circuit), accum=2, max_norm=0.0)
+    results = run_workers(tmp_path, world=2, variants=variants, **kw)
+    ref_losses, ref_weights = single_reference(world=2, **kw)
+    assert_matches_reference(results, ref_losses, ref_weights)
+    cpu_steps = [i for i, route in enumerate(circuit) if route[1] == "cpu"]
+    counters = results[0]["counters"]
+    assert all((counters[i]["traffic_host_reduce_mb"] > 0) == (i in cpu_steps)
+               for i in range(len(circuit)))
+
+
 def test_three_ranks_untied_qwen25(tmp_path):
-    variants = [{"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK},
+    # Without clipping: updates during backward (the non-finite guard off), and after it (on).
+    variants = [{"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK,
+                 "nonfinite": "off"},
                 {"delivery": "replicated", "reduction": "cpu", "activation": "keep"},
                 {"activation": "segments(qkv+o_proj)@offload=1",
                  "activation_blocks": "0:selective@offload=0.37"}]
@@ -144,6 +164,8 @@ def test_three_ranks_untied_qwen25(tmp_path):
     assert_matches_reference(results, ref_losses, ref_weights)
     assert_offload_traffic(results)
     sharded, replicated = (r["counters"][0] for r in results[:2])
+    assert "host_update_s" in sharded and "host_update_s" not in replicated
+    assert "host_clipped_update_s" in results[1]["counters"][1]  # step 1's, after step 1
     assert sharded["traffic_h2d_mb"] * 3 == pytest.approx(replicated["traffic_h2d_mb"])
     assert sharded["traffic_d2h_mb"] * 3 == pytest.approx(replicated["traffic_d2h_mb"])
 

@@ -5,6 +5,9 @@ process group and one model build, so peers can be measured side by side on the 
         --seq 4096 --batches 4,8,16 --routes sharded/gpu,replicated/gpu --out runs.jsonl
     torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode fsdp2 --ac full ...
     torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode reference --ac full ...
+    python -m recipes.bench.throughput --mode slidedp --flavor qwen3-4B --seq 262144 \
+        --rope-scaling-type yarn --rope-scaling-factor 8 --original-max-position-embeddings 32768 \
+        --points recompute:1 --max-norm 0 --warmup 0 --steps 1     # long context
     python -m recipes.bench.throughput --report runs.jsonl          # markdown table + ratios
 
 Modes: slidedp and fsdp2 train for real (synthetic tokens, AdamW); `reference` is the
@@ -24,23 +27,24 @@ import time
 import torch
 import torch.distributed as dist
 
-from models.flavors import get_flavor
+from models.args import QwenArgs
 from models.kernels import Kernels, sdpa_backend_used
 from models.qwen import QwenModel
-from recipes.config import JobConfig
+from recipes.config import ConfigError, JobConfig, resolve_model
 from recipes.metrics import memory, throughput
 from recipes.bench.timeline import breakdown
 from recipes.parallelize import apply_activation_checkpointing, build_backend, build_kernels
+from recipes.preflight import check_seq_len
 from recipes.train import SyntheticBatches
 
 
 class _Reference:
     """Forward + backward of the resident BF16 model: the compute-only reference."""
 
-    def __init__(self, flavor: str, *, device: torch.device, ac: str, loss_chunk: int,
+    def __init__(self, args: QwenArgs, *, device: torch.device, ac: str, loss_chunk: int,
                  kernels: Kernels):
         with torch.device("meta"):
-            model = QwenModel(get_flavor(flavor), kernels)
+            model = QwenModel(args, kernels)
         model.to_empty(device=device)
         model.init_weights()
         self.model = model.to(torch.bfloat16)
@@ -69,7 +73,11 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.parallelism.mode = a.mode
     cfg.model.flavor = a.flavor
     cfg.model.kernels, cfg.model.attention = a.kernels, a.attention
+    cfg.model.rope_scaling_type = a.rope_scaling_type
+    cfg.model.rope_scaling_factor = a.rope_scaling_factor
+    cfg.model.original_max_position_embeddings = a.original_max_position_embeddings
     cfg.training.seq_len, cfg.training.max_norm = a.seq, a.max_norm
+    cfg.training.nonfinite = a.nonfinite
     cfg.training.init_on_meta = True
     cfg.activation_checkpoint.mode = a.ac
     cfg.slidedp.delivery, cfg.slidedp.reduction = route.split("/")
@@ -90,6 +98,10 @@ def main() -> None:
     p.add_argument("--attention", default="auto",
                    choices=("auto", "cudnn", "flash", "efficient", "math"),
                    help="[model] attention: the SDPA backend")
+    p.add_argument("--rope-scaling-type", default="model",
+                   choices=("model", "none", "linear", "dynamic", "yarn"), help="[model] key")
+    p.add_argument("--rope-scaling-factor", type=float, default=0.0, help="[model] key")
+    p.add_argument("--original-max-position-embeddings", type=int, default=0, help="[model] key")
     p.add_argument("--batches", default="4,8,16", help="local batch sizes (sequences per GPU)")
     p.add_argument("--routes", default="sharded/gpu", help="slidedp: delivery/reduction list; "
                    "the first one's reduction decides whether the host staging region exists")
@@ -105,6 +117,9 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=3)
     p.add_argument("--chunk-mib", type=float, default=32.0)
     p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--nonfinite", default="off", choices=("off", "skip", "stop_consecutive"),
+                   help="training.nonfinite; off (the default here): SlideDP without clipping "
+                        "updates during backward instead of waiting for the step's norm")
     p.add_argument("--accum", default="1",
                    help="slidedp/fsdp2: list of micro-batch counts each local batch is split into")
     p.add_argument("--no-memory-check", action="store_true",
@@ -123,6 +138,11 @@ def main() -> None:
     if a.report:
         print(report(a.report))
         return
+    try:  # the flavor with the RoPE scaling flags, and --seq within its positions
+        args = resolve_model(_config(a, "sharded/gpu"))[1]
+        check_seq_len(a.seq, args)
+    except ConfigError as e:
+        p.error(str(e))
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
@@ -130,14 +150,13 @@ def main() -> None:
         torch.cuda.set_device(device)
     if world > 1 or a.mode == "fsdp2":  # FSDP2 needs a process group even alone
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    args = get_flavor(a.flavor)
     routes = a.routes.split(",") if a.mode == "slidedp" else ["-"]
     kernels = build_kernels(_config(a, "sharded/gpu"), device=device)
     attention_op = sdpa_backend_used(kernels, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                                      head_dim=args.head_dim, seq_len=a.seq, device=device)
     t0 = time.perf_counter()
     if a.mode == "reference":
-        runner = _Reference(a.flavor, device=device, ac=a.ac, loss_chunk=4096, kernels=kernels)
+        runner = _Reference(args, device=device, ac=a.ac, loss_chunk=4096, kernels=kernels)
     else:
         backend = build_backend(_config(a, routes[0] if a.mode == "slidedp" else "sharded/gpu"),
                                 args, device=device, dp_rank=rank, dp_world=world)
@@ -160,7 +179,8 @@ def main() -> None:
             times, extras, traced = [], [], {}
             # With clipping, SlideDP runs step t's update during step t+1: the warm-up must hold
             # one whole update cycle (the first also faults in the Adam moments' host pages).
-            warmup = a.warmup + (a.mode == "slidedp" and a.max_norm > 0)
+            deferred = a.max_norm > 0 or a.nonfinite != "off"
+            warmup = a.warmup + (a.mode == "slidedp" and deferred)
             n_timed = warmup + a.steps
             # The traced step (rank 0 profiles) comes after the timed ones: its overhead stays out.
             trace = bool(a.trace_dir) and a.trace_batch in (0, batch)
@@ -195,8 +215,9 @@ def main() -> None:
                    "ac": a.ac if a.mode != "slidedp" else policy,
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
                    "activation_blocks": a.activation_blocks if a.mode == "slidedp" else None,
+                   "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
                    "world": world, "seq": a.seq, "local_batch": batch, "accum": accum,
-                   "max_norm": a.max_norm, "step_time_s": step_time,
+                   "max_norm": a.max_norm, "nonfinite": a.nonfinite, "step_time_s": step_time,
                    **throughput(global_tokens=batch * a.seq * world, step_time=step_time,
                                 flops_per_token=args.flops_per_token(a.seq), world=world,
                                 on_cuda=device.type == "cuda"),

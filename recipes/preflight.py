@@ -1,0 +1,283 @@
+"""What a run can be refused for, checked before any model, data or host memory is allocated,
+so that a mistake is one `error:` line naming the key or file (exit code 2), not a traceback
+after set-up.
+
+Every rank calls `check_run` first thing (recipes/train.py). A single process also loads the
+tokenizer and parses every data record (`thorough`). With several ranks the launcher does that
+once instead, `python -m recipes.preflight NPROC FLAGS...` (run_train.sh runs it), so a mistake
+is printed once, before torchrun starts any rank; the ranks still find a data file changed in
+between while tokenizing, before they build a model. On success the launcher check prints the
+flags the launch adds on stdout: with more than one rank, mode "single" becomes "fsdp2" (a
+one-line notice says so).
+"""
+
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.args import QwenArgs
+from recipes.checkpoint import FORMAT_VERSION, read_meta
+from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, resolve_resume_dir
+from models.kernels import resolve_kernels
+from recipes.memory_estimate import (REFUSE_ABOVE, Kernel, estimate_device_memory,
+                                     largest_fitting_batch)
+
+MULTI_RANK_MODE = "fsdp2"
+"""What a launch of several ranks runs when the configuration says "single"."""
+
+
+@dataclass(frozen=True)
+class CheckedRun:
+    """What the checks resolved, for the run to use."""
+
+    name: str
+    """The model's flavor name (or "custom (<dir>)")."""
+    args: QwenArgs
+    """The architecture."""
+    run_meta: dict[str, Any]
+    """What a resumed run must share with the saved one (recorded in meta.json)."""
+    resume_dir: Path | None
+    """The step directory to resume from, if any."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_world(config: JobConfig, *, world: int) -> None:
+    if config.parallelism.mode == "single" and world > 1:
+        raise ConfigError(f'parallelism.mode = "single" runs one process, but WORLD_SIZE={world}; '
+                          f'use "fsdp2" or "slidedp" (./run_train.sh picks "{MULTI_RANK_MODE}")')
+
+
+def check_seq_len(seq_len: int, args: QwenArgs) -> None:
+    """training.seq_len within the positions the model takes (QwenArgs.max_positions: a RoPE
+    scaling raises them)."""
+    if seq_len > args.max_positions():
+        advice = ("raise model.rope_scaling_factor" if args.rope_scaling else
+                  'set model.rope_scaling_type = "yarn" and model.rope_scaling_factor')
+        raise ConfigError(f"training.seq_len = {seq_len} exceeds the model's "
+                          f"{args.describe_positions()}: {advice}, or lower training.seq_len")
+
+
+def _check_hf_dir(hf_dir: str, args: QwenArgs) -> None:
+    from safetensors import SafetensorError
+
+    from models.hf_checkpoint import check_hf_tensors  # safetensors only when needed
+
+    try:
+        check_hf_tensors(hf_dir, args)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ConfigError(f"model.hf_dir: {e}") from None
+
+
+def load_checked_tokenizer(config: JobConfig, args: QwenArgs):
+    """The data's tokenizer and EOS id; one line if it is missing, unreadable or larger than the
+    model's vocabulary."""
+    from recipes.data import load_tokenizer  # tokenizers only for files
+
+    key = "model.tokenizer_dir" if config.model.tokenizer_dir else "model.hf_dir"
+    directory = config.model.tokenizer_dir or config.model.hf_dir
+    try:
+        tokenizer, eos_id = load_tokenizer(directory)
+    except Exception as e:  # tokenizers raises plain Exceptions for a malformed file
+        raise ConfigError(f"{key}: {directory}: {e}") from None
+    if tokenizer.get_vocab_size() > args.vocab_size:
+        raise ConfigError(f"{key}: {directory} has {tokenizer.get_vocab_size()} tokens, more than "
+                          f"the model's vocab_size {args.vocab_size}")
+    return tokenizer, eos_id
+
+
+def data_error(e: Exception) -> ConfigError:
+    """A recipes.data.DataError as the one-line error naming the key."""
+    return ConfigError(f"training.dataset_path: {e}")
+
+
+def _check_data(config: JobConfig, *, thorough: bool) -> None:
+    from recipes.data import DataError, read_documents, resolve_data_files
+
+    try:
+        resolve_data_files(config.training.dataset_path)  # exist, supported, not empty
+        if thorough:
+            for _ in read_documents(config.training.dataset_path):
+                pass
+    except DataError as e:
+        raise data_error(e) from None
+
+
+def run_meta(config: JobConfig, name: str, args: QwenArgs, *, world: int) -> dict[str, Any]:
+    """What a resumed run must share with the saved one."""
+    return {"mode": config.parallelism.mode, "world_size": world, "flavor": name,
+            "num_params": args.num_params(), "seed": config.training.seed}
+
+
+def check_resumable(directory: Path, *, meta: dict[str, Any]) -> None:
+    """The saved run has this run's shape."""
+    try:
+        saved = read_meta(directory)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint.resume_from: {directory}: unreadable meta.json "
+                          f"({e})") from None
+    for key, value in {"format_version": FORMAT_VERSION, **meta}.items():
+        if saved.get(key) != value:
+            raise ConfigError(f"checkpoint.resume_from: {directory} was saved with {key} = "
+                              f"{saved.get(key)!r}, this run has {value!r}; resume with the same")
+
+
+def check_device_memory(config: JobConfig, args: QwenArgs, *, world: int, capacity: int,
+                        kernels: Kernel = "torch") -> None:
+    """Refuse when the estimate (recipes/memory_estimate.py) clearly exceeds one device's
+    `capacity` bytes, with the numbers and what to change."""
+    est = estimate_device_memory(config, args, world=world, kernels=kernels)
+    if est.total <= capacity * REFUSE_ABOVE:
+        return
+    mode = config.parallelism.mode
+    parts = (f"resident {_gib(est.resident)}, gradients {_gib(est.gradients)}, activations "
+             f"{_gib(est.activations)}, logits {_gib(est.logits)}")
+    fits = largest_fitting_batch(config, args, world=world, capacity=capacity, kernels=kernels)
+    if fits:
+        advice = (f"training.local_batch_size = {fits} fits (raise training.grad_accum_steps "
+                  "for the same global batch)")
+    elif est.resident + est.gradients > capacity:
+        advice = 'the weights and optimizer state alone do not fit: use parallelism.mode = ' \
+                 '"slidedp", or "fsdp2" over more ranks'
+    else:
+        advice = "lower training.seq_len or training.loss_chunk_tokens"
+    if mode == "slidedp" and config.slidedp.activation == "keep":
+        advice += ', or set slidedp.activation = "recompute"'
+    elif mode != "slidedp" and config.activation_checkpoint.mode == "none":
+        advice += ', or set activation_checkpoint.mode = "full"'
+    raise ConfigError(f'parallelism.mode = "{mode}" with training.local_batch_size = '
+                      f"{config.training.local_batch_size} x seq_len {config.training.seq_len} "
+                      f"needs about {_gib(est.total)} per device ({parts}), the device has "
+                      f"{_gib(capacity)}: {advice}")
+
+
+def check_host_memory(config: JobConfig, args: QwenArgs, *, world: int, on_cpu: bool,
+                      available: int, total: int) -> None:
+    """SlideDP's shared host state (exact) against `available` bytes (MemAvailable, unless
+    slidedp.check_host_memory is off), then everything the ranks hold on the host (estimated:
+    the shared state, the FP32 model that single and fsdp2 build on the CPU first, and on the
+    CPU the devices' estimate) against `total` bytes (MemTotal)."""
+    from slidedp.host_state import HostStatePlan, host_state_bytes
+    from slidedp.layout import StateLayout
+
+    training, shared = config.training, 0
+    if config.parallelism.mode == "slidedp":
+        plan = HostStatePlan.for_run(config.slidedp, grad_accum_steps=training.grad_accum_steps,
+                                     max_norm=training.max_norm, nonfinite=training.nonfinite)
+        shared = host_state_bytes(StateLayout(args, world=world), plan)
+        if shared > available and config.slidedp.check_host_memory:
+            raise ConfigError(f"slidedp: the host state needs {_gib(shared)} "
+                              f"({shared / args.num_params():.1f} B/param), MemAvailable is "
+                              f"{_gib(available)}: set slidedp.bf16_shadow = false (2 B/param), "
+                              "use a smaller model, or set slidedp.check_host_memory = false on "
+                              "machines whose memory grows on demand")
+    if on_cpu:
+        per_rank = estimate_device_memory(config, args, world=world).total
+    elif config.parallelism.mode != "slidedp" and not training.init_on_meta:
+        per_rank = args.num_params() * 4
+    else:
+        per_rank = 0
+    need = shared + world * per_rank
+    if need > total * REFUSE_ABOVE:
+        raise ConfigError(f"host memory: {world} rank(s) of parallelism.mode = "
+                          f'"{config.parallelism.mode}" need about {_gib(need)} of host memory '
+                          f"({_gib(shared)} shared + {_gib(per_rank)} per rank), the host has "
+                          f"{_gib(total)}: lower training.local_batch_size or training.seq_len, "
+                          "or use a smaller model")
+
+
+def _check_memory(config: JobConfig, args: QwenArgs, *, world: int, device: torch.device) -> None:
+    from slidedp.host_state import available_host_bytes, total_host_bytes
+
+    check_host_memory(config, args, world=world, on_cpu=device.type == "cpu",
+                      available=available_host_bytes(), total=total_host_bytes())
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        kernels = resolve_kernels(config.model.kernels, device_type="cuda").name
+        check_device_memory(config, args, world=world, capacity=capacity, kernels=kernels)
+
+
+def _check_writable(key: str, directory: str) -> None:
+    """Create the directory and write a file into it: an output folder that cannot be written
+    fails now, not at the first save after hours of training."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot write to {directory} ({e.strerror or e})") from None
+
+
+def check_run(config: JobConfig, *, world: int, device: torch.device,
+              thorough: bool) -> CheckedRun:
+    """Every check, cheapest first; the output folders are created last. `thorough`: also load
+    the tokenizer and parse every data record (a bad one is found in seconds rather than after
+    tokenizing all before it, and before any rank starts), where the ranks would otherwise find
+    them while tokenizing."""
+    check_world(config, world=world)
+    name, args = resolve_model(config)
+    check_seq_len(config.training.seq_len, args)
+    if config.model.hf_dir:
+        _check_hf_dir(config.model.hf_dir, args)
+    if config.training.dataset == "files":
+        if thorough:
+            load_checked_tokenizer(config, args)
+        _check_data(config, thorough=thorough)
+    meta = run_meta(config, name, args, world=world)
+    resume_dir = resolve_resume_dir(config.checkpoint) if config.checkpoint.resume_from else None
+    if resume_dir is not None:
+        check_resumable(resume_dir, meta=meta)
+    _check_memory(config, args, world=world, device=device)
+    _check_writable("job.dump_folder", config.job.dump_folder)
+    if config.checkpoint.save_dir:
+        _check_writable("checkpoint.save_dir", config.checkpoint.save_dir)
+    return CheckedRun(name=name, args=args, run_meta=meta, resume_dir=resume_dir)
+
+
+def launch_flags(config: JobConfig, *, nproc: int) -> list[str]:
+    """Flags a launch of `nproc` ranks adds to the configuration."""
+    if config.parallelism.mode == "single" and nproc > 1:
+        return [f"--parallelism.mode={MULTI_RANK_MODE}"]
+    return []
+
+
+def _launch_device(nproc: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if nproc > torch.cuda.device_count():
+        raise ConfigError(f"NGPU={nproc} ranks, but this machine has {torch.cuda.device_count()} "
+                          "GPUs")
+    return torch.device("cuda", 0)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m recipes.preflight NPROC FLAGS...`: the thorough checks of a launch of NPROC
+    ranks; prints the flags the launch adds (stdout) or one error line (stderr, exit code 2)."""
+    if not argv or not argv[0].isdigit():
+        print("usage: python -m recipes.preflight NPROC [--section.key=value ...]", file=sys.stderr)
+        return 2
+    nproc = int(argv[0])
+    try:
+        config = parse_config(argv[1:])
+        flags = launch_flags(config, nproc=nproc)
+        if flags:
+            config = parse_config([*argv[1:], *flags])
+        check_run(config, world=nproc, device=_launch_device(nproc), thorough=True)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if flags:
+        print(f'notice: parallelism.mode = "single" runs one process; {nproc} ranks run '
+              f'"{MULTI_RANK_MODE}" (set --parallelism.mode to choose)', file=sys.stderr)
+    print(" ".join(flags))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
