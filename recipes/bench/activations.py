@@ -11,7 +11,6 @@ weights excluded. Divided by batch x seq: bytes per token per block.
 """
 
 import argparse
-import json
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -20,6 +19,7 @@ from models.activation_memory import saved_bytes
 from models.flavors import get_flavor
 from models.kernels import resolve_kernels
 from models.qwen import TransformerBlock, init_parameter, rope_tables
+from recipes.bench.rows import emit
 from slidedp.activations import save_attention_context
 
 POLICIES = ("keep", "recompute", "selective")
@@ -82,10 +82,7 @@ def main() -> None:
             per_token = row.get("alloc_bytes_per_token", row["saved_bytes_per_token"])
             row["gib_per_sequence_all_blocks"] = (None if per_token is None else
                                                   per_token * a.seq * args.n_layers / 2**30)
-            print("[activations]", json.dumps(row), flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit("activations", row, a.out)
 
 
 if __name__ == "__main__":
