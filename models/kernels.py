@@ -131,8 +131,9 @@ def _liger_kernels(attention: AttentionChoice) -> Kernels:
         (tokens, dim), vocab = h.shape, head_weight.shape[0]
         # The kernel bounds its logits chunk to chunk_mem_const x (tokens x dim) elements: pick
         # the constant that makes a chunk about chunk_tokens rows, as the plain path's are. Its
-        # default (one hidden-sized block) gives chunks of a few hundred rows, each of which
-        # re-reads and re-writes the whole head gradient: ~3% of a Qwen3-4B step.
+        # default (one hidden-sized block) gives chunks of 128-512 rows, each of which re-reads
+        # and re-writes the whole FP32 head gradient (on the H200, Qwen3-4B at one sequence:
+        # 16,773 -> 19,222 tokens/s with chunks of 4096 rows).
         chunk_mem_const = max(1, math.ceil(vocab * min(chunk_tokens, tokens) / (dim * tokens)))
         # Under autocast (mode single: FP32 weights) compute in the autocast dtype, as F.linear
         # would, with autocast off inside so that no op re-casts.

@@ -165,6 +165,7 @@ from recipes.liveness import watching_peers
 dist.init_process_group("gloo")
 with watching_peers(rank=dist.get_rank(), world=2):
     if dist.get_rank() == 1:
+        time.sleep(2)  # let rank 0 finish setting up its watch (a collective) first
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(120)  # a wait no collective notices: a version gate, a disk, a save's gate
 """

@@ -13,7 +13,6 @@ output, which is the next block's input) is divided by batch x seq. Its backward
 """
 
 import argparse
-import json
 from dataclasses import asdict
 
 import torch
@@ -22,6 +21,7 @@ from torch.autograd.graph import get_gradient_edge
 from models.flavors import get_flavor
 from models.kernels import resolve_kernels
 from models.qwen import TransformerBlock, init_parameter, rope_tables
+from recipes.bench.rows import emit
 from slidedp.activations import (BlockSegments, Offloader, WeightRefs, as_streamed, block_input,
                                  measure_costs, parse_policy)
 from slidedp.streams import Streams
@@ -87,10 +87,7 @@ def main() -> None:
                 row["alloc_bytes_per_token"] = allocated_per_token(
                     policy, block, args, kernels, batch=a.batch, seq=a.seq, host_bytes=host,
                     device=device)
-            print("[activations]", json.dumps(row), flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit("activations", row, a.out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ This is what `[model] attention = "auto"`'s order is based on (docs/PERFORMANCE.
 """
 
 import argparse
-import json
 import statistics
 from dataclasses import replace
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 from models.flavors import get_flavor
 from models.kernels import TORCH_KERNELS, sdpa_backend_used
+from recipes.bench.rows import emit
 
 BACKENDS = ("cudnn", "flash", "efficient")
 
@@ -85,10 +85,7 @@ def main() -> None:
     a = p.parse_args()
     for batch in (int(b) for b in a.batches.split(",")):
         for row in measure(a.flavor, seq=a.seq, batch=batch, iters=a.iters):
-            print("[attention]", json.dumps(row), flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit("attention", row, a.out)
 
 
 if __name__ == "__main__":

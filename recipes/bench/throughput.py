@@ -32,6 +32,7 @@ from models.kernels import Kernels, sdpa_backend_used
 from models.qwen import QwenModel
 from recipes.config import ConfigError, JobConfig, resolve_model
 from recipes.metrics import memory, throughput
+from recipes.bench.rows import emit
 from recipes.bench.timeline import breakdown
 from recipes.parallelize import apply_activation_checkpointing, build_backend, build_kernels
 from recipes.preflight import check_seq_len
@@ -225,9 +226,7 @@ def main() -> None:
                    **{k: statistics.mean(e[k] for e in extras) for k in (extras[0] if extras else {})},
                    **traced}
             if rank == 0:
-                print("[bench]", json.dumps(row), flush=True)
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                emit("bench", row, a.out)
     if a.mode != "reference":
         backend.close()
     if dist.is_initialized():

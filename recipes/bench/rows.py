@@ -1,0 +1,13 @@
+"""The benchmarks' output: each measured row printed as one tagged JSON line and appended to a
+JSONL file (docs/results/ keeps those files as the raw record)."""
+
+import json
+
+
+def emit(tag: str, row: dict, out: str = "") -> None:
+    """Print `[tag] {row}` and append the row to `out` (if given) as one JSON line."""
+    line = json.dumps(row)
+    print(f"[{tag}]", line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
