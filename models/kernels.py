@@ -66,6 +66,8 @@ class Kernels:
     """(hidden, head_weight, labels, *, chunk_tokens) -> FP32 sum of the token losses."""
     attention: AttentionChoice = "auto"
     """SDPA backend preference (see _ATTENTION_BACKENDS)."""
+    rope_in_place: bool = False
+    """`rope` overwrites q and k (when they are views of contiguous (batch, seq, heads, dim))."""
     note: str = ""
     """Why these kernels were chosen when it is not what was asked for (printed at start)."""
 
@@ -121,7 +123,7 @@ def _liger_kernels(attention: AttentionChoice) -> Kernels:
         return liger_rms_norm(x, weight, eps, casting_mode="llama")
 
     def rope(q, k, cos, sin):
-        # Rotates q and k in place (they are fresh projection outputs nothing else saved).
+        # Rotates q and k in place (rope_in_place: Attention.rotate hands it tensors of its own).
         return liger_rope(q, k, cos.to(q.dtype), sin.to(q.dtype))
 
     def linear_cross_entropy_sum(hidden, head_weight, labels, *, chunk_tokens=4096):
@@ -146,7 +148,8 @@ def _liger_kernels(attention: AttentionChoice) -> Kernels:
                 reduction="sum", accum_dtype=torch.float32, chunk_mem_const=chunk_mem_const)
 
     return Kernels(name="liger", rms_norm=rms_norm, rope=rope, swiglu=liger_swiglu,
-                   linear_cross_entropy_sum=linear_cross_entropy_sum, attention=attention)
+                   linear_cross_entropy_sum=linear_cross_entropy_sum, attention=attention,
+                   rope_in_place=True)
 
 
 def _liger_missing() -> str:

@@ -39,7 +39,8 @@ def rope_tables(args: QwenArgs, seq_len: int, device: torch.device | str) -> tup
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention with optional QK-norm (Qwen3) or QKV bias (Qwen2.5)."""
+    """Grouped-query causal self-attention with optional QK-norm (Qwen3) or QKV bias (Qwen2.5),
+    in the steps that TransformerBlock's segments call."""
 
     def __init__(self, args: QwenArgs, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
@@ -56,21 +57,37 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of shape (batch, seq, heads, head_dim)."""
         bs, seq, _ = x.shape
         q = self.q_proj(x).view(bs, seq, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(bs, seq, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(bs, seq, self.n_kv_heads, self.head_dim)
+        return q, k, v
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """QK-norm (Qwen3) and RoPE; q, k, v come back as (batch, heads, seq, head_dim). The
+        inputs are left as they are (a runtime may have saved them for a replay)."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        elif self.kernels.rope_in_place:
+            q, k = q.clone(), k.clone()  # the kernel would rotate the projections' outputs
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = self.kernels.rope(q, k, cos, sin)
-        out = self.kernels.sdpa(q, k, v)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core: causal SDPA, (batch, heads, seq, head_dim) out."""
+        return self.kernels.sdpa(q, k, v)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        bs, _, seq, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward."""
+    """SwiGLU feed-forward (TransformerBlock's mlp_up and down_proj segments)."""
 
     def __init__(self, args: QwenArgs, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
@@ -79,12 +96,23 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+    def activate(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x), the input of down_proj."""
+        return self.kernels.swiglu(self.gate_proj(x), self.up_proj(x))
+
+
+BLOCK_SEGMENTS = ("input_norm", "qkv", "qk_norm_rope", "attention_core", "o_proj", "post_norm",
+                  "mlp_up", "down_proj")
+"""A block's forward, in order: input RMSNorm; q/k/v projections; QK-norm + RoPE; the attention
+core; output projection + residual; post-attention RMSNorm; MLP gate/up + SwiGLU; down projection
++ residual. SlideDP's activation policies keep or replay them one by one."""
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm attention + MLP block; the unit that SlideDP streams."""
+    """Pre-norm attention + MLP block; the unit that SlideDP streams.
+
+    `forward` runs the BLOCK_SEGMENTS one after the other (`run_segments`). Each segment maps the
+    tensors the previous one returned to the next ones; the residual stream rides along."""
 
     def __init__(self, args: QwenArgs, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
@@ -94,8 +122,41 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(args, kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.run_segments(BLOCK_SEGMENTS, (x,), cos, sin)[0]
+
+    def run_segments(self, names: tuple[str, ...], state: tuple[torch.Tensor, ...],
+                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The named consecutive segments applied to `state` (what the segment before the first
+        returned; `(x,)` before input_norm)."""
+        for name in names:
+            state = getattr(self, f"_{name}")(*state, rope=(cos, sin))
+        return state
+
+    # Each segment: (the previous segment's tensors, rope=(cos, sin)) -> the next ones.
+
+    def _input_norm(self, x, *, rope):
+        return x, self.input_layernorm(x)
+
+    def _qkv(self, x, xn, *, rope):
+        return x, *self.self_attn.project(xn)
+
+    def _qk_norm_rope(self, x, q, k, v, *, rope):
+        return x, *self.self_attn.rotate(q, k, v, *rope)
+
+    def _attention_core(self, x, q, k, v, *, rope):
+        return x, self.self_attn.attend(q, k, v)
+
+    def _o_proj(self, x, out, *, rope):
+        return (x + self.self_attn.project_out(out),)
+
+    def _post_norm(self, h, *, rope):
+        return h, self.post_attention_layernorm(h)
+
+    def _mlp_up(self, h, hn, *, rope):
+        return h, self.mlp.activate(hn)
+
+    def _down_proj(self, h, a, *, rope):
+        return (h + self.mlp.down_proj(a),)
 
 
 @torch.no_grad()

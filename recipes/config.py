@@ -19,6 +19,7 @@ from models.args import QwenArgs, RopeScaling
 from models.flavors import FLAVORS
 from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
+from slidedp.activations import block_policies
 from slidedp.config import SlideDPConfig
 
 if sys.version_info >= (3, 11):
@@ -374,6 +375,16 @@ def resolve_resume_dir(checkpoint: Checkpoint) -> Path:
     return found
 
 
+def _check_activation(config: JobConfig, args: QwenArgs) -> None:
+    """SlideDP's per-block activation policies read against the model's blocks."""
+    s = config.slidedp
+    try:
+        block_policies(args.n_layers, default=s.activation, blocks=s.activation_blocks,
+                       keep_blocks=s.keep_blocks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_combinations(config: JobConfig) -> None:
     training = config.training
     try:
@@ -480,7 +491,7 @@ def _job_config_manager():
             check_config(self.config)
             _check_paths(self.config)
             _check_combinations(self.config)
-            resolve_model(self.config)
+            _check_activation(self.config, resolve_model(self.config)[1])
 
     return JobConfigManager(config_cls=JobConfig)
 

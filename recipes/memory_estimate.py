@@ -29,7 +29,10 @@ bytes per token of each block's policy + the one block a recompute policy rebuil
 STREAM_TERMS for the embedding output, the final norm and the gradient flowing back). Bytes per
 token of one block = sum over the model's widths of width x (FP32 copies x 4 + compute-dtype
 copies x b), with the copies per policy in ACTIVATION_TERMS (derived below from what autograd
-saves in models/qwen.py). Widths: dim; q = n_heads x head_dim; kv = n_kv_heads x head_dim;
+saves in models/qwen.py) for keep, recompute and selective; a policy's offload fraction leaves
+that part of what the hooks save on the host (all of keep and recompute, selective's block
+input). Other segment masks and op sets count as recompute, a lower bound: SlideDP measures
+every policy on the device at start (slidedp/activations/cost.py) and prints it. Widths: dim; q = n_heads x head_dim; kv = n_kv_heads x head_dim;
 qk_norm = q + kv when the model norms queries and keys (else 0); hidden = the MLP's width;
 heads = n_heads.
 
@@ -50,7 +53,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from models.args import QwenArgs
-from slidedp.activations import block_policies
+from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policies
 from slidedp.layout import StateLayout
 
 Kernel = Literal["liger", "torch"]
@@ -130,11 +133,15 @@ def _bytes_per_token(terms: dict[str, tuple[int, int]], args: QwenArgs, *,
                for w, (fp32, copies) in terms.items())
 
 
-def activation_bytes_per_token(args: QwenArgs, policy: str, *, compute_bytes: int,
+def activation_bytes_per_token(args: QwenArgs, policy: ActivationPolicy, *, compute_bytes: int,
                                kernels: Kernel = "torch") -> int:
-    """Bytes one block keeps per token for backward under `policy` (keep/recompute/selective)
-    with the `kernels` of models/kernels.py."""
-    return _bytes_per_token(ACTIVATION_TERMS[kernels][policy], args, compute_bytes=compute_bytes)
+    """Device bytes one block keeps per token for backward under `policy` with the `kernels` of
+    models/kernels.py (see the module docstring for the policies without terms of their own)."""
+    name = policy.base if policy.base in ACTIVATION_TERMS[kernels] else "recompute"
+    saved = _bytes_per_token(ACTIVATION_TERMS[kernels][name], args, compute_bytes=compute_bytes)
+    hooked = saved if name != "selective" else _bytes_per_token(
+        _SHARED_TERMS["recompute"], args, compute_bytes=compute_bytes)
+    return round(saved - policy.offload * hooked)
 
 
 @dataclass(frozen=True)
@@ -155,11 +162,12 @@ class MemoryEstimate:
         return self.resident + max(self.gradients, self.activations + self.logits)
 
 
-def _policies(config, n_layers: int) -> list[str]:
+def _policies(config, n_layers: int) -> list[ActivationPolicy]:
     if config.parallelism.mode == "slidedp":
-        return block_policies(n_layers, default=config.slidedp.activation,
-                              keep_blocks=config.slidedp.keep_blocks)
-    return ["recompute" if config.activation_checkpoint.mode == "full" else "keep"] * n_layers
+        s = config.slidedp
+        return block_policies(n_layers, default=s.activation, blocks=s.activation_blocks,
+                              keep_blocks=s.keep_blocks)
+    return [RECOMPUTE if config.activation_checkpoint.mode == "full" else KEEP] * n_layers
 
 
 def _compute_bytes(config) -> int:
@@ -198,8 +206,8 @@ def estimate_device_memory(config, args: QwenArgs, *, world: int,
     policies = _policies(config, args.n_layers)
     per_token = sum(activation_bytes_per_token(args, p, compute_bytes=compute_bytes,
                                                kernels=kernels) for p in policies)
-    if any(p != "keep" for p in policies):
-        per_token += activation_bytes_per_token(args, "keep", compute_bytes=compute_bytes,
+    if any(p != KEEP for p in policies):  # the block backward rebuilds (or brings back)
+        per_token += activation_bytes_per_token(args, KEEP, compute_bytes=compute_bytes,
                                                 kernels=kernels)
     per_token += _bytes_per_token(STREAM_TERMS, args, compute_bytes=compute_bytes)
     resident, gradients = _resident_and_gradients(config, args, world=world,

@@ -7,8 +7,10 @@
   update.py       GPU->host gradient routes (gpu | cpu reduction) and the CPU AdamW
   collectives.py  the routes' all-gather / reduce-scatter under this torch's names
   cpu_adam.py     the C++ fused AdamW and gradient-sum kernels (csrc/), torch fallback
-  schedule.py     which unit uses which GPU buffer, and when a delivery is needed
-  activations.py  per-block activation policy (keep | recompute | selective)
+  schedule.py     the plan as plain data: which unit uses which GPU buffer, which deliveries,
+                  which activation offloads and prefetches
+  activations/    per-block activation policies (keep, recompute, segment masks, op-level saves,
+                  offload fractions), their measured costs, the offload to host memory
   streams.py      CUDA streams/events that are no-ops on the CPU
   traffic.py      per-step byte counters of each route
   state_file.py   per-rank FP32 shards of master + moments, for resuming

@@ -7,8 +7,6 @@ DeliveryRoute = Literal["replicated", "sharded"]
 """Host->GPU parameter routes (slidedp/delivery.py)."""
 ReductionRoute = Literal["gpu", "cpu"]
 """GPU->host gradient routes (slidedp/update.py)."""
-ActivationPolicy = Literal["keep", "recompute", "selective"]
-"""Per-block activation policies (slidedp/activations.py)."""
 
 
 @dataclass
@@ -25,17 +23,21 @@ class SlideDPConfig:
     """GPU parameter slots for transformer blocks (>= 2: one computing, one being delivered)."""
     chunk_mib: float = 32.0
     """Chunk size in MiB (at most 1024) for the cast/H2D and D2H/update pipelines inside a block."""
-    activation: ActivationPolicy = "recompute"
-    """Default activation policy per block: "keep" (on GPU), "recompute" (full recompute) or
-    "selective" (recompute all but attention, whose outputs are kept)."""
+    activation: str = "recompute"
+    """Activation policy of every block: "keep", "recompute", "selective" (attention outputs
+    saved), "segments(S+S...)" (the named block segments kept, the rest replayed),
+    "ops(matmul+attention)" (those ops' outputs saved), each optionally "@offload=F" (a fraction
+    F of what the block saves goes to host memory); README "Activation policies"."""
+    activation_blocks: str = ""
+    """Per-block overrides, "BLOCKS:POLICY, ..." with BLOCKS one block or FIRST-LAST (0-based,
+    inclusive), e.g. "0-3:keep, 30-35:recompute@offload=0.5"; a later entry wins."""
     keep_blocks: int = 0
-    """The first N blocks keep activations on GPU regardless of `activation` (seam for the
-    per-block elastic policy)."""
+    """Shorthand: the first N blocks keep (before activation_blocks applies)."""
     cpu_threads: int = 0
     """CPU Adam threads per rank; 0 = this rank's share of the host's cores."""
     bf16_shadow: bool = True
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
     so delivery is a plain copy (2 bytes/param more host memory, half the cast work)."""
     check_host_memory: bool = True
-    """Refuse to start when the host state exceeds MemAvailable (off for VMs whose memory grows
-    on demand and under-reports at start)."""
+    """Refuse to start when the host state and the ranks' activation offload pools exceed
+    MemAvailable (off for VMs whose memory grows on demand and under-reports at start)."""

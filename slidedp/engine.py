@@ -7,6 +7,9 @@ Three threads per rank:
   update                gradient reduce + return -> host accumulation -> CPU AdamW on the rank's
                         shard, chunk by chunk, overlapped with backward of earlier blocks.
 Handshakes are futures carrying CUDA events, so waits happen on the device wherever possible.
+The plan of a micro-batch (slidedp/schedule.py) is plain data; the futures of its uses live here.
+Each block runs under its activation policy (slidedp/activations/: keep, recompute, segment
+masks, op-level saves, offload to host), an object the compute thread calls.
 Each step reports its bytes moved and where the threads' time went (`host_*_s`: version-gate
 waits, delivery issue, gradient return + update, clipped updates, the compute thread's waits for
 deliveries) next to `update_tail_s`, the update time backward did not hide.
@@ -33,15 +36,17 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint
 
 from models.args import QwenArgs
 from models.kernels import resolve_kernels
 from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
 from protocols.backend import Batch, StepResult
 from slidedp import cpu_adam
-from slidedp.activations import WeightRefs, block_policies, save_attention_context
+from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Offloader,
+                                 WeightRefs, block_input, block_policies, describe_costs,
+                                 measure_costs, offload_bytes)
 from slidedp.delivery import Delivery
 from slidedp.host_state import (HostStatePlan, SharedHostState, StepAborted, available_host_bytes,
                                 host_state_bytes)
@@ -74,10 +79,18 @@ class SlideDPBackend:
         # Updates wait for the step's global norm: to clip, or to skip a non-finite step.
         self.deferred = tr.max_norm > 0 or self.guard
         self.layout = StateLayout(model_args, world=dp_world)
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
         plan = HostStatePlan.for_run(cfg, grad_accum_steps=tr.grad_accum_steps,
                                      max_norm=tr.max_norm, nonfinite=tr.nonfinite)
-        self._check_host_memory(plan)
-        self.set_activation(default=cfg.activation, keep_blocks=cfg.keep_blocks)
+        self._check_host_memory(plan, offload_pool=None)
+        # The policies' costs, measured on one block before anything big is allocated, size the
+        # activation offload pool of the micro-batch the run is configured for.
+        self.activation_costs: dict[ActivationPolicy, BlockCost] = {}
+        self._micro_shape = (tr.local_batch_size, tr.seq_len)  # what the pool is sized for
+        self._set_policies(block_policies(model_args.n_layers, default=cfg.activation,
+                                          blocks=cfg.activation_blocks,
+                                          keep_blocks=cfg.keep_blocks))
+        self._check_host_memory(plan, offload_pool=self._offload_pool_bytes(*self._micro_shape))
 
         distributed = dp_world > 1
         self.host_group = dist.new_group(backend="gloo") if distributed else None
@@ -98,8 +111,7 @@ class SlideDPBackend:
         self.chunk = max(SHARD_ALIGN, int(cfg.chunk_mib * 2**20 / 2) // SHARD_ALIGN * SHARD_ALIGN)
         self.streams = Streams(device)
         self.traffic = Traffic()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
-        threads = cfg.cpu_threads or cpu_adam.default_num_threads(local_world=local_world)
+        threads = cfg.cpu_threads or cpu_adam.default_num_threads(local_world=self.local_world)
         self.optimizer = HostOptimizer(self.state, AdamHyper(beta1=opt.beta1, beta2=opt.beta2,
                                                              eps=opt.eps,
                                                              weight_decay=opt.weight_decay),
@@ -112,10 +124,12 @@ class SlideDPBackend:
         self.buffers.append(torch.empty(self.layout.embed.padded, **bf16))
         self.buffers.append(torch.empty(self.layout.head.padded, **bf16))
         with torch.device("meta"):
-            self.block_template = TransformerBlock(model_args, kernels)
+            self.segments = BlockSegments(TransformerBlock(model_args, kernels))
             self.norm_template = RMSNorm(model_args.dim, model_args.norm_eps, kernels)
         self._unit_buffer: dict[int, int] = {}
         self.weight_refs = WeightRefs(self.buffers, lambda u: self.buffers[self._unit_buffer[u]])
+        self.offloader = Offloader(self.streams, self.traffic)
+        self._ensure_offload_pool(*self._micro_shape, checked=True)
 
         self._deliverer = ThreadPoolExecutor(1, thread_name_prefix="slidedp-deliver",
                                              initializer=self.streams.bind_thread)
@@ -123,7 +137,10 @@ class SlideDPBackend:
                                            initializer=self.streams.bind_thread)
         self._last_release: dict[int, Future | None] = {b: None for b in range(len(self.buffers))}
         self._resident: dict[int, int] = {}
-        self._uses: list[Use] = []  # the current micro-batch's plan
+        # The current micro-batch's runtime state, by use: resolved by the compute thread with the
+        # event after the use's last kernel; by the delivery thread with the arrival event.
+        self._released: list[Future] = []
+        self._delivered: list[Future | None] = []
         self._normsq = 0.0
         self._host_times: defaultdict[str, float] = defaultdict(float)  # running totals
         self._host_reported: dict[str, float] = {}  # the totals at the last step's report
@@ -151,10 +168,45 @@ class SlideDPBackend:
                                           max_unit=max(u.padded for u in self.layout.units),
                                           threads=self.optimizer.threads)
 
-    def set_activation(self, *, default: str, keep_blocks: int) -> None:
-        """Set the per-block activation policies; between steps they can change freely (only
-        the compute thread reads them, and a step's saved activations are gone by its end)."""
-        self.policies = block_policies(self.args.n_layers, default=default, keep_blocks=keep_blocks)
+    def set_activation(self, *, default: str, blocks: str = "", keep_blocks: int = 0) -> None:
+        """Set the per-block activation policies, as the [slidedp] keys `activation`,
+        `activation_blocks` and `keep_blocks` do; between steps they can change freely (only the
+        compute thread reads them, and a step's saved activations are gone by its end). A larger
+        offload pool, if the new policies need one, is allocated before the next step."""
+        self._set_policies(block_policies(self.args.n_layers, default=default, blocks=blocks,
+                                          keep_blocks=keep_blocks))
+
+    def _set_policies(self, policies: list[ActivationPolicy]) -> None:
+        new = set(policies) - self.activation_costs.keys()
+        if new:
+            self.activation_costs.update(measure_costs(new, self.args, self.kernels,
+                                                       device=self.device,
+                                                       seq_len=self._micro_shape[1]))
+        self.policies = policies
+        if self.rank == 0:
+            print(describe_costs(policies, self.activation_costs, *self._micro_shape), flush=True)
+
+    def _offload_pool_bytes(self, batch: int, seq: int) -> int:
+        return offload_bytes(self.policies, self.activation_costs, batch, seq)
+
+    def _ensure_offload_pool(self, batch: int, seq: int, *, checked: bool = False) -> None:
+        """Grow this rank's offload pool to what the policies need for micro-batches of `batch`
+        x `seq` tokens (between steps: nothing is in flight); `checked`: the host-memory check
+        counted it."""
+        need = self._offload_pool_bytes(batch, seq)
+        grow = need - self.offloader.pool.nbytes
+        if grow <= 0:
+            return
+        if not checked:
+            have = available_host_bytes()
+            if self.rank == 0:
+                print(f"[slidedp] activation offload pool grows to {need / 2**30:.2f} GiB per "
+                      f"rank for {batch} x {seq} tokens per micro-batch", flush=True)
+            if grow * self.local_world > have and self.cfg.check_host_memory:
+                raise MemoryError(f"SlideDP: the activation offload pool needs "
+                                  f"{grow * self.local_world / 2**30:.2f} GiB more host memory, "
+                                  f"{have / 2**30:.2f} GiB is available (offload less)")
+        self.offloader.pool.allocate(need)
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -166,22 +218,29 @@ class SlideDPBackend:
             dist.broadcast_object_list(box, src=0, group=self.host_group)
         return box[0]
 
-    def _check_host_memory(self, plan: HostStatePlan) -> None:
-        need = host_state_bytes(self.layout, plan)
+    def _check_host_memory(self, plan: HostStatePlan, *, offload_pool: int | None) -> None:
+        """Refuse to start without host memory for the state and this rank's offload pool
+        (None: the state alone, checked before the policies are measured on one block), and
+        report both."""
+        state = host_state_bytes(self.layout, plan)
+        need = state + (offload_pool or 0) * self.local_world
         have = available_host_bytes()
-        if self.rank == 0:
+        if self.rank == 0 and offload_pool is not None:
             n = self.args.num_params()
-            print(f"[slidedp] host state: {need / 2**30:.2f} GiB shared for {n / 1e6:,.1f}M "
-                  f"params ({need / n:.1f} B/param: fp32 master+moments"
+            pool = (f" + activation offload pool {offload_pool / 2**30:.2f} GiB x "
+                    f"{self.local_world} ranks" if offload_pool else "")
+            print(f"[slidedp] host state: {state / 2**30:.2f} GiB shared for {n / 1e6:,.1f}M "
+                  f"params ({state / n:.1f} B/param: fp32 master+moments"
                   f"{' + bf16 shadow' if plan.bf16_shadow else ''}"
                   f"{' + fp32 grad buffer' if plan.grad_accum else ''}"
-                  f"{' + per-rank grad staging' if plan.cpu_staging else ''}); available {have / 2**30:.2f} GiB",
-                  flush=True)
+                  f"{' + per-rank grad staging' if plan.cpu_staging else ''}){pool}; "
+                  f"available {have / 2**30:.2f} GiB", flush=True)
         if need > have and self.cfg.check_host_memory:
             raise MemoryError(f"SlideDP needs {need / 2**30:.2f} GiB of host memory but only "
                               f"{have / 2**30:.2f} GiB is available (turn off slidedp.bf16_shadow, "
-                              f"use a smaller model, or set slidedp.check_host_memory = false on "
-                              f"machines whose memory grows on demand)")
+                              f"offload fewer activations, use a smaller model, or set "
+                              f"slidedp.check_host_memory = false on machines whose memory grows "
+                              f"on demand)")
 
     def _master_view(self, name: str) -> torch.Tensor:
         unit, p = self.layout.by_name[name]
@@ -236,12 +295,13 @@ class SlideDPBackend:
             return self.delivery.deliver(unit, self.buffers[use.buffer])
 
     def _submit_deliveries(self, uses: list[Use]) -> None:
+        self._released, self._delivered = [], []
         for use in uses:
-            if use.deliver:
-                use.delivered = self._deliverer.submit(self._deliver_job, use,
-                                                       self._last_release[use.buffer],
-                                                       self.steps_done)
-            self._last_release[use.buffer] = use.release
+            self._delivered.append(self._deliverer.submit(
+                self._deliver_job, use, self._last_release[use.buffer], self.steps_done)
+                if use.deliver else None)
+            self._released.append(Future())
+            self._last_release[use.buffer] = self._released[-1]
 
     def _submit_grad(self, unit: Unit, leaves: dict[str, torch.Tensor], *, micro: int,
                      n_micro: int, lr: float) -> None:
@@ -312,10 +372,10 @@ class SlideDPBackend:
         finally:
             self._host_times[key] += time.perf_counter() - start
 
-    def _wait_buffer(self, use: Use) -> None:
-        if use.delivered is not None:
+    def _wait_buffer(self, k: int, use: Use) -> None:
+        if self._delivered[k] is not None:
             with self._timed("delivery_wait_s"):
-                done = use.delivered.result()
+                done = self._delivered[k].result()
             self.streams.wait(done)
         self._unit_buffer[use.unit] = use.buffer
 
@@ -325,15 +385,21 @@ class SlideDPBackend:
         units = self.layout.units
         saved: dict[int, tuple] = {}
         grad_kw = dict(micro=micro, n_micro=n_micro, lr=lr)
+        self.offloader.begin_micro_batch()
         # Set by the uses in their fixed order: embed fwd (h0, emb), head (loss, grad_h), ...
+        # Graphs are held by their gradient edges, not by their output tensors, whose memory
+        # the next block's policy decides about.
         h = h0 = emb = grad_h = loss = None
-        for use in uses:
-            self._wait_buffer(use)
+        for k, use in enumerate(uses):
+            self._wait_buffer(k, use)
+            if use.prefetch is not None:
+                self.offloader.prefetch(use.prefetch)
             unit = units[use.unit]
             if unit.kind == "embed" and use.phase == "fwd":
                 emb = self._leaves(unit, use.buffer, grad=True)
-                h0 = F.embedding(tokens, emb["weight"])
-                h = h0.detach()
+                h = F.embedding(tokens, emb["weight"])
+                h0 = get_gradient_edge(h)
+                h = h.detach()
             elif unit.kind == "embed":
                 torch.autograd.backward(h0, grad_h)
                 self._submit_grad(unit, emb, **grad_kw)
@@ -348,38 +414,26 @@ class SlideDPBackend:
                 grad_h = h_in.grad
                 self._submit_grad(unit, head, **grad_kw)
             elif use.phase == "fwd":
-                h = self._block_forward(unit, use.buffer, h, rope, saved)
+                h = self._block_forward(unit, use, h, rope, saved)
             else:
-                h_in, out, leaves = saved.pop(unit.index)
+                out, grad_in, leaves = saved.pop(unit.index)
                 torch.autograd.backward(out, grad_h)
-                grad_h = h_in.grad
+                (grad_h,) = grad_in
+                self.offloader.release(unit.index)
                 self._submit_grad(unit, leaves, **grad_kw)
-            use.release.set_result(self.streams.record())
+            self._released[k].set_result(self.streams.record())
         return loss.detach()
 
-    def _block_forward(self, unit: Unit, buffer: int, h: torch.Tensor, rope, saved: dict) -> torch.Tensor:
-        policy = self.policies[unit.index - 1]
-        if policy in ("selective", "recompute"):
-            # torch's non-reentrant checkpoint: its replay stops once the last tensor backward
-            # needs is rebuilt, so the block's final projection is not recomputed. The replay
-            # reads the weights from whichever buffer holds the unit then, while gradients
-            # still reach the forward's leaves.
-            def run(h_in: torch.Tensor) -> torch.Tensor:
-                leaves = self._leaves(unit, self._unit_buffer[unit.index], grad=True)
-                created.append(leaves)
-                return functional_call(self.block_template, leaves, (h_in, *rope))
-
-            created: list[dict[str, torch.Tensor]] = []
-            h_in = h.requires_grad_()
-            context = {"context_fn": save_attention_context} if policy == "selective" else {}
-            out = checkpoint(run, h_in, use_reentrant=False, **context)
-            saved[unit.index] = (h_in, out, created[0])
-            return out.detach()
-        h_in = h.requires_grad_()
-        leaves = self._leaves(unit, buffer, grad=True)
-        with self.weight_refs.during_forward_of(unit.index):
-            out = functional_call(self.block_template, leaves, (h_in, *rope))
-        saved[unit.index] = (h_in, out, leaves)
+    def _block_forward(self, unit: Unit, use: Use, h: torch.Tensor, rope,
+                       saved: dict) -> torch.Tensor:
+        """The block's forward under its policy; what backward needs goes into `saved`."""
+        grad_in: list[torch.Tensor] = []  # the input's gradient, appended by backward
+        leaves = self._leaves(unit, use.buffer, grad=True)
+        with (self.offloader.forward_of(unit.index, use.offload) as offload,
+              self.weight_refs.during_forward_of(unit.index, offload)):
+            out = self.policies[unit.index - 1].forward(self.segments, block_input(h, grad_in),
+                                                       leaves, rope)
+        saved[unit.index] = (get_gradient_edge(out), grad_in, leaves)
         return out.detach()
 
     def train_step(self, micro_batches: list[Batch], *, lr: float, global_target_tokens: int) -> StepResult:
@@ -395,23 +449,27 @@ class SlideDPBackend:
     def _abort(self) -> None:
         """The step failed on the compute thread (out of memory, a bad batch, Ctrl-C). Its jobs
         would otherwise wait forever for buffer releases that will never come, or for counters,
-        and keep the process from exiting: fail the releases and stop the counter waits."""
+        and keep the process from exiting: fail the releases and stop the counter waits. The
+        offloaded activations and their host pool are freed now."""
         self.state.aborted.set()
-        for use in self._uses:
-            if not use.release.done():
-                use.release.set_exception(StepAborted("SlideDP: the step using this buffer failed"))
+        for released in self._released:
+            if not released.done():
+                released.set_exception(StepAborted("SlideDP: the step using this buffer failed"))
+        self.offloader.clear()
 
     def _train_step(self, micro_batches: list[Batch], *, lr: float, global_target_tokens: int) -> StepResult:
         self.traffic.reset()
         n_micro = len(micro_batches)
         rope = rope_tables(self.args, micro_batches[0][0].shape[1], self.device)
+        self._ensure_offload_pool(*micro_batches[0][0].shape)
+        offload = [p.offload for p in self.policies]
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro, (tokens, labels) in enumerate(micro_batches):
             self._token += 1
             uses, self._resident = plan_micro_batch(
                 self.args.n_layers, self.cfg.window_slots,
-                resident=self._resident if micro else {}, embed_head_resident=micro > 0)
-            self._uses = uses
+                resident=self._resident if micro else {}, embed_head_resident=micro > 0,
+                offload=offload)
             self._submit_deliveries(uses)
             loss += self._micro_batch(uses, tokens.to(self.device, non_blocking=True),
                                       labels.to(self.device, non_blocking=True), rope,
@@ -516,6 +574,7 @@ class SlideDPBackend:
         finally:
             self._deliverer.shutdown(wait=True, cancel_futures=True)
             self._updater.shutdown(wait=True, cancel_futures=True)
+            self.offloader.clear()
             self.buffers.clear()
             self.state.close()
 

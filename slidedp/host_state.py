@@ -28,6 +28,7 @@ import torch
 
 from slidedp.config import SlideDPConfig
 from slidedp.layout import StateLayout
+from slidedp.streams import register_host, unregister_host
 
 _CONTROL_FIELDS = ("version", "ready", "consumed")
 
@@ -131,15 +132,8 @@ class SharedHostState:
         if pin:
             for name in ("shadow", "staging", "master"):
                 if name in self.regions and (name != "master" or not plan.bf16_shadow):
-                    self._register(self.regions[name])
-
-    def _register(self, t: torch.Tensor) -> None:
-        # Registered (not copied) pinned memory: the DMA engines read the shared bytes directly.
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed "
-                               f"({err}); is the memlock limit (ulimit -l) too low?")
-        self._registered.append(t.data_ptr())
+                    # The DMA engines read the shared bytes directly.
+                    self._registered.append(register_host(self.regions[name]))
 
     def __getattr__(self, name: str) -> torch.Tensor:
         regions = self.__dict__.get("regions", {})
@@ -178,7 +172,7 @@ class SharedHostState:
 
     def close(self) -> None:
         for ptr in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+            unregister_host(ptr)
         self._registered.clear()
         self.regions.clear()
         self.version = self.ready = self.consumed = None

@@ -46,3 +46,18 @@ class Streams:
         """Worker threads start on device 0 by default; point them at ours."""
         if self.is_cuda:
             torch.cuda.set_device(self.device)
+
+
+def register_host(t: torch.Tensor) -> int:
+    """Pin the memory of CPU tensor `t` in place (cudaHostRegister: not copied, so each byte
+    exists once and copies from and to it are asynchronous); returns the address to unregister."""
+    nbytes = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err}); is the memlock "
+                           f"limit (ulimit -l) too low?")
+    return t.data_ptr()
+
+
+def unregister_host(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)

@@ -17,6 +17,10 @@ class Traffic:
     """Gradient bytes sent to peers over the GPU interconnect (GPU-side reduction)."""
     host_reduce: int = 0
     """Gradient bytes this rank read from host memory to sum peers' gradients (CPU reduction)."""
+    offload_d2h: int = 0
+    """Saved-activation bytes offloaded to host memory in forward (PCIe)."""
+    offload_h2d: int = 0
+    """Offloaded activation bytes brought back to the GPU for backward (PCIe)."""
 
     def reset(self) -> None:
         for f in fields(self):

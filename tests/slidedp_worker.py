@@ -29,11 +29,14 @@ def global_batches(*, steps: int, accum: int, batch: int, seq: int, vocab: int, 
     return out
 
 
-def make_config(variant: dict, *, accum: int, max_norm: float, kernels: str = "auto") -> JobConfig:
-    """`variant`: [slidedp] fields, and optionally training.nonfinite as "nonfinite"."""
+def make_config(variant: dict, *, accum: int, max_norm: float, kernels: str = "auto",
+                batch: int = 2, seq: int = 16) -> JobConfig:
+    """`variant`: [slidedp] fields, and optionally training.nonfinite as "nonfinite"; `batch` x
+    `seq` is a rank's micro-batch (what SlideDP's activation offload pool is sized for)."""
     cfg = JobConfig()
     cfg.model.kernels = kernels
     cfg.training.grad_accum_steps, cfg.training.max_norm = accum, max_norm
+    cfg.training.local_batch_size, cfg.training.seq_len = batch, seq
     cfg.training.loss_chunk_tokens = 40
     cfg.optimizer.lr = 1e-3
     for key, value in variant.items():
@@ -69,8 +72,12 @@ def main() -> None:
     for i, variant in enumerate(json.loads(a.variants)):
         # [[delivery, reduction], ...]: set_routes before each step (not a slidedp field)
         route_steps = variant.pop("routes_per_step", None)
-        cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm, kernels=a.kernels)
+        cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm, kernels=a.kernels,
+                          batch=a.batch, seq=a.seq)
         backend = SlideDPBackend(cfg, args, device=device, dp_rank=rank, dp_world=world)
+        # What the start-up measurement predicts the activation offload moves per step.
+        predicted = a.accum * sum(backend.activation_costs[p].host.at(a.batch, a.seq)
+                                  for p in backend.policies) / 2**20
         losses, norms, counters = [], [], []
         for step, micro in enumerate(data):
             if route_steps:
@@ -88,7 +95,7 @@ def main() -> None:
         if rank == 0:
             torch.save(weights, os.path.join(a.out, f"weights_{i}.pt"))
             results.append({"variant": variant, "losses": losses, "grad_norms": norms,
-                            "counters": counters})
+                            "counters": counters, "predicted_offload_mb": predicted})
     if rank == 0:
         with open(os.path.join(a.out, "results.json"), "w") as f:
             json.dump(results, f)

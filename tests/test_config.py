@@ -73,6 +73,10 @@ def test_cli_overrides_toml_overrides_defaults(tmp_path):
     ('[slidedp]\ndelivery = "both"\n', "slidedp.delivery"),
     ('[slidedp]\nreduction = "host"\n', "slidedp.reduction"),
     ('[slidedp]\nactivation = "offload"\n', "slidedp.activation"),
+    ('[slidedp]\nactivation = "segments(qkvv)"\n', "slidedp.activation"),
+    ('[slidedp]\nactivation = "recompute@offload=2"\n', "slidedp.activation"),
+    ('[slidedp]\nactivation_blocks = "4:keep"\n', "slidedp.activation_blocks"),  # 4 blocks: 0-3
+    ('[slidedp]\nkeep_blocks = 5\n', "slidedp.keep_blocks"),
     ('[model]\nflavor = "qwen3-9B"\n', "model.flavor"),
     ('[model]\ntokenizer_dir = "/nonexistent/tok"\n', "model.tokenizer_dir"),
     ('[model]\nhf_dir = "/nonexistent/model"\n', "model.hf_dir"),
@@ -100,7 +104,8 @@ def test_missing_config_file():
     (["--parallelism.mode=ddp"], "parallelism.mode must be one of 'single', 'fsdp2', 'slidedp'"),
     (["--slidedp.delivery=both"], "slidedp.delivery must be one of"),
     (["--slidedp.reduction=host"], "slidedp.reduction must be one of"),
-    (["--slidedp.activation=offload"], "slidedp.activation must be one of"),
+    (["--slidedp.activation=offload"], "slidedp.activation: unknown activation policy"),
+    (["--slidedp.activation_blocks=0-1:kep"], "slidedp.activation_blocks"),
     (["--lr_scheduler.decay-type=step"], "lr_scheduler.decay_type must be one of"),
     (["--metrics.jsonl=maybe"], "metrics.jsonl must be true or false"),
     (["--metrics.no_jsonl=false"], "metrics.jsonl must be true or false"),
@@ -127,9 +132,9 @@ def test_cli_spellings():
 
 
 def test_fields_with_choices_are_literal():
-    """tyro checks (and --help lists) the choices of every such field."""
-    for section, key in [("slidedp", "delivery"), ("slidedp", "reduction"),
-                         ("slidedp", "activation"), ("parallelism", "mode"),
+    """tyro checks (and --help lists) the choices of every such field (slidedp.activation is a
+    policy's written form, read by slidedp.activations.parse_policy)."""
+    for section, key in [("slidedp", "delivery"), ("slidedp", "reduction"), ("parallelism", "mode"),
                          ("training", "dtype"), ("training", "dataset"),
                          ("lr_scheduler", "decay_type"), ("activation_checkpoint", "mode")]:
         section_type = get_type_hints(JobConfig)[section]

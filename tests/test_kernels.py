@@ -17,7 +17,8 @@ from models.flavors import get_flavor
 from models.kernels import TORCH_KERNELS, KernelsUnavailable, resolve_kernels, sdpa_backend_used
 from models.qwen import QwenModel, TransformerBlock, rope_tables
 from tests.conftest import REPO, subprocess_env
-from tests.test_slidedp import assert_matches_reference, run_workers, single_reference
+from tests.test_slidedp import (POLICY_VARIANTS, assert_matches_reference, assert_offload_traffic,
+                                run_workers, single_reference)
 
 HAS_LIGER_GPU = torch.cuda.is_available() and not kernels_mod._liger_missing()
 gpu_only = pytest.mark.skipif(not HAS_LIGER_GPU,
@@ -172,10 +173,14 @@ def test_fused_loss_and_every_gradient_equal_the_plain_path(args):
 
 
 @gpu_only
-def test_slidedp_on_the_fused_path_equals_single_on_the_fused_path(tmp_path):
+@pytest.mark.parametrize("flavor", ["qwen3-debug", "qwen2.5-debug"])
+def test_slidedp_on_the_fused_path_equals_single_on_the_fused_path(tmp_path, flavor):
+    """Every activation policy on liger's kernels (custom autograd Functions; without QK-norm
+    its RoPE works in place), offload on its CUDA stream."""
     variants = [{"activation": "recompute"}, {"activation": "keep", "window_slots": 2},
-                {"activation": "selective", "keep_blocks": 1}]
-    kw = dict(flavor="qwen3-debug", steps=3, accum=2, max_norm=0.5, device="cuda", kernels="liger")
+                {"activation": "selective", "keep_blocks": 1}, *POLICY_VARIANTS]
+    kw = dict(flavor=flavor, steps=3, accum=2, max_norm=0.5, device="cuda", kernels="liger")
     results = run_workers(tmp_path, world=1, variants=variants, **kw)
     ref_losses, ref_weights = single_reference(world=1, **kw)
     assert_matches_reference(results, ref_losses, ref_weights)
+    assert_offload_traffic(results)

@@ -1,8 +1,9 @@
 """A step whose loss or gradient is NaN/Inf skips its update in every mode (training.nonfinite).
 
-Injected with a forward hook on every transformer block: "loss" makes the block's output NaN
-(loss and gradient are NaN), "grad" leaves the forward alone and makes the gradient flowing back
-through the block NaN (the loss stays finite). The poisoned step must leave the FP32 weights and
+Injected with a forward hook on every RMSNorm (a module call in every mode; SlideDP runs a block
+as its segments, not as one module call): "loss" makes the norms' outputs NaN (loss and gradient
+are NaN), "grad" leaves the forward alone and makes the gradient flowing back through them NaN
+(the loss stays finite). The poisoned step must leave the FP32 weights and
 both Adam moments bit for bit as they were, and the run must then go on exactly as a run that
 never took that step (with the later steps' own learning rates). Through the CLI, a learning
 rate of 1e30 makes the debug model diverge for real: its gradient norm is NaN from step 2 on.
@@ -17,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from models.flavors import get_flavor
-from models.qwen import TransformerBlock
+from models.qwen import RMSNorm
 from recipes.checkpoint import TRAIN_STATE
 from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.parallelize import _create_adam_state, build_fsdp2_backend, build_single_backend
@@ -41,8 +42,8 @@ class _NaNGradient(torch.autograd.Function):
         return grad * float("nan")
 
 
-def _poison_blocks(module, args, output):
-    if _poison[0] is None or not isinstance(module, TransformerBlock):
+def _poison_norms(module, args, output):
+    if _poison[0] is None or not isinstance(module, RMSNorm):
         return None
     return output * float("nan") if _poison[0] == "loss" else _NaNGradient.apply(output)
 
@@ -109,7 +110,7 @@ def _run(mode: str, variant: dict, *, accum: int, max_norm: float, rank: int, wo
 
 def _compare(rank: int, world: int, mode: str, variant: dict, accum: int, max_norm: float,
              poison: str) -> dict:
-    handle = torch.nn.modules.module.register_module_forward_hook(_poison_blocks)
+    handle = torch.nn.modules.module.register_module_forward_hook(_poison_norms)
     try:
         kw = dict(accum=accum, max_norm=max_norm, rank=rank, world=world)
         return {"poisoned": _run(mode, variant, poison=poison, **kw),

@@ -18,6 +18,7 @@ from recipes.parallelize import build_model
 from recipes.preflight import (check_device_memory, check_host_memory, check_run, check_seq_len,
                                launch_flags)
 from recipes.train import build_batches
+from slidedp.activations import parse_policy
 from tests.conftest import REPO
 
 TINY = os.path.join(REPO, "tests", "assets", "tiny")
@@ -207,9 +208,11 @@ def test_estimate_is_near_the_measured_peak_on_both_kernel_paths(mode, kernels, 
 
 def test_estimate_follows_the_shapes():
     args = FLAVORS["qwen3-8B"]
-    keep, selective, recompute = (activation_bytes_per_token(args, p, compute_bytes=2)
-                                  for p in ("keep", "selective", "recompute"))
+    keep, selective, recompute, offloaded = (
+        activation_bytes_per_token(args, parse_policy(p), compute_bytes=2)
+        for p in ("keep", "selective", "recompute", "selective@offload=1"))
     assert keep > selective > recompute == 2 * args.dim  # recompute keeps the BF16 block input
+    assert offloaded == selective - recompute  # its input on the host, SDPA's outputs stay
     one, two = (estimate_device_memory(gpu_config("slidedp", batch=b), args, world=2)
                 for b in (1, 2))
     assert two.activations == 2 * one.activations and two.resident == one.resident

@@ -1,10 +1,13 @@
 """SlideDP on real gloo ranks equals the `single` backend on the same global batch.
 
 Every datapath (replicated|sharded delivery x gpu|cpu reduction), with gradient accumulation,
-global-norm clipping, chunk sizes that do not divide a block, keep/recompute activations and the
-FP32-cast delivery path, for 2 and 3 ranks; plus the pieces (plan, layout, host state) alone.
+global-norm clipping, chunk sizes that do not divide a block, every activation policy (keep,
+recompute, segment masks, op-level saves, offload fractions 0, 0.37 and 1, mixed across blocks)
+and the FP32-cast delivery path, for 2 and 3 ranks and both families; plus the pieces (plan,
+layout, host state) alone.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +19,7 @@ import torch
 from models.flavors import get_flavor
 from recipes.parallelize import build_single_backend
 from slidedp.layout import SHARD_ALIGN, StateLayout
-from slidedp.schedule import plan_micro_batch
+from slidedp.schedule import Use, plan_micro_batch
 from tests.conftest import REPO, kill_process_tree, run_torchrun, subprocess_env
 from tests.slidedp_worker import global_batches, make_config
 
@@ -63,6 +66,31 @@ def assert_matches_reference(results, ref_losses, ref_weights):
         assert diff.mean() <= 1e-4, (r["variant"], diff.mean())
 
 
+# Every policy kind, offload fractions 0.37 and 1 (0: the variants without), mixes across blocks.
+POLICY_VARIANTS = [
+    {"activation": "segments(qkv+attention_core)@offload=0.37"},
+    {"activation": "ops(matmul+attention)",
+     "activation_blocks": "0:recompute@offload=1, 1:segments(input_norm+mlp_up+down_proj)"},
+    {"activation": "recompute@offload=1", "activation_blocks": "2-3:keep@offload=0.37",
+     "window_slots": 2},
+    {"activation": "selective@offload=1", "keep_blocks": 1,
+     "activation_blocks": "3:segments(qk_norm_rope+o_proj+post_norm)"},
+]
+
+
+def assert_offload_traffic(results):
+    """Every offloaded byte comes back, and the start-up measurement predicted the bytes: exactly
+    at fraction 1, from above when a split rounds down."""
+    for r in results:
+        for c in r["counters"]:
+            assert c["traffic_offload_d2h_mb"] == c["traffic_offload_h2d_mb"], r["variant"]
+            assert c["traffic_offload_d2h_mb"] <= r["predicted_offload_mb"], r["variant"]
+            offloads = "offload" in json.dumps(r["variant"])
+            assert (c["traffic_offload_d2h_mb"] > 0) == offloads, r["variant"]
+            if offloads and "offload=0.37" not in json.dumps(r["variant"]):
+                assert c["traffic_offload_d2h_mb"] == pytest.approx(r["predicted_offload_mb"])
+
+
 def test_two_ranks_every_datapath_with_accumulation_and_clipping(tmp_path):
     variants = [
         {"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK},
@@ -71,11 +99,13 @@ def test_two_ranks_every_datapath_with_accumulation_and_clipping(tmp_path):
         {"delivery": "sharded", "reduction": "gpu", "activation": "selective", "window_slots": 2},
         {"delivery": "sharded", "reduction": "cpu", "keep_blocks": 2, "bf16_shadow": False,
          "window_slots": 2, "chunk_mib": ODD_CHUNK},
+        *POLICY_VARIANTS,
     ]
     kw = dict(flavor="qwen3-debug", steps=3, accum=2, max_norm=0.5)
     results = run_workers(tmp_path, world=2, variants=variants, **kw)
     ref_losses, ref_weights = single_reference(world=2, **kw)
     assert_matches_reference(results, ref_losses, ref_weights)
+    assert_offload_traffic(results)
     # Traffic per rank (paper's table): sharded delivery halves H2D at R=2; CPU-side reduction
     # returns the full gradient (2x the GPU-reduced shard) and sums R copies on the host.
     t = [r["counters"][0] for r in results]
@@ -125,16 +155,28 @@ def test_three_ranks_untied_qwen25(tmp_path):
     # Without clipping: updates during backward (the non-finite guard off), and after it (on).
     variants = [{"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK,
                  "nonfinite": "off"},
-                {"delivery": "replicated", "reduction": "cpu", "activation": "keep"}]
+                {"delivery": "replicated", "reduction": "cpu", "activation": "keep"},
+                {"activation": "segments(qkv+o_proj)@offload=1",
+                 "activation_blocks": "0:selective@offload=0.37"}]
     kw = dict(flavor="qwen2.5-debug", steps=3, accum=1, max_norm=0.0)
     results = run_workers(tmp_path, world=3, variants=variants, **kw)
     ref_losses, ref_weights = single_reference(world=3, **kw)
     assert_matches_reference(results, ref_losses, ref_weights)
-    sharded, replicated = (r["counters"][0] for r in results)
+    assert_offload_traffic(results)
+    sharded, replicated = (r["counters"][0] for r in results[:2])
     assert "host_update_s" in sharded and "host_update_s" not in replicated
     assert "host_clipped_update_s" in results[1]["counters"][1]  # step 1's, after step 1
     assert sharded["traffic_h2d_mb"] * 3 == pytest.approx(replicated["traffic_h2d_mb"])
     assert sharded["traffic_d2h_mb"] * 3 == pytest.approx(replicated["traffic_d2h_mb"])
+
+
+def test_two_ranks_qwen25_activation_policies_with_accumulation_and_clipping(tmp_path):
+    """The untied family with QKV bias (no QK-norm: RoPE rotates the projections' outputs)."""
+    kw = dict(flavor="qwen2.5-debug", steps=3, accum=2, max_norm=0.5)
+    results = run_workers(tmp_path, world=2, variants=POLICY_VARIANTS, **kw)
+    ref_losses, ref_weights = single_reference(world=2, **kw)
+    assert_matches_reference(results, ref_losses, ref_weights)
+    assert_offload_traffic(results)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on the GPU machine)")
@@ -146,18 +188,30 @@ def test_two_gpus_every_datapath(tmp_path):
                      "bf16_shadow": False, "window_slots": 2})
     variants.append({"delivery": "sharded", "reduction": "gpu", "activation": "selective",
                      "keep_blocks": 1, "window_slots": 2})
+    variants += POLICY_VARIANTS
     kw = dict(flavor="qwen3-debug", steps=3, accum=2, max_norm=0.5)
     results = run_workers(tmp_path, world=2, variants=variants, device="cuda", **kw)
     ref_losses, ref_weights = single_reference(world=2, device="cuda", **kw)
     assert_matches_reference(results, ref_losses, ref_weights)
+    assert_offload_traffic(results)
 
 
 @pytest.mark.parametrize("n_slots", [2, 3, 5])
 def test_plan_keeps_every_use_on_the_right_buffer(n_slots):
+    """The plan is plain data: replayed from its JSON alone, every use finds its unit in its
+    buffer, and every offloaded block's activations start back one use before its backward."""
     n_blocks, resident = 6, {}
+    offload = [0.0, 1.0, 0.0, 0.37, 0.0, 0.5]
     for micro in range(2):
-        uses, after = plan_micro_batch(n_blocks, n_slots, resident=resident,
-                                       embed_head_resident=micro > 0)
+        planned, after = plan_micro_batch(n_blocks, n_slots, resident=resident,
+                                          embed_head_resident=micro > 0, offload=offload)
+        uses = [Use(**u) for u in json.loads(json.dumps([dataclasses.asdict(u) for u in planned]))]
+        assert uses == planned
+        assert [u.offload for u in uses if u.phase == "fwd" and u.unit] == offload
+        prefetched = {u.prefetch: k for k, u in enumerate(uses) if u.prefetch is not None}
+        assert sorted(prefetched) == [b + 1 for b, f in enumerate(offload) if f > 0]
+        for unit, k in prefetched.items():
+            assert (uses[k + 1].unit, uses[k + 1].phase) == (unit, "bwd")
         held: dict[int, int] = {s: u for s, u in resident.items()}
         for use in uses:
             if use.unit in (0, n_blocks + 1):
@@ -222,14 +276,19 @@ def test_activation_policies_switch_between_steps():
     losses = []
     try:
         data = global_batches(steps=3, accum=1, batch=2, seq=16, vocab=args.vocab_size, seed=7)
-        for micro, (policy, keep) in zip(data, [("keep", 0), ("selective", 2), ("recompute", 1)]):
-            backend.set_activation(default=policy, keep_blocks=keep)
+        settings = [("keep", "", 0), ("selective", "", 2),
+                    ("recompute", "2:segments(attention_core)@offload=1, 3:keep@offload=0.37", 1)]
+        for micro, (policy, blocks, keep) in zip(data, settings):
+            backend.set_activation(default=policy, blocks=blocks, keep_blocks=keep)
             ntok = sum(int((y != -100).sum()) for _, y in micro)
-            losses.append(backend.train_step(micro, lr=1e-3, global_target_tokens=ntok).loss_sum / ntok)
+            result = backend.train_step(micro, lr=1e-3, global_target_tokens=ntok)
+            losses.append(result.loss_sum / ntok)
         weights = {n: t.clone() for n, t in backend.named_master_parameters()}
     finally:
         backend.close()
-    assert backend.policies == ["keep", "recompute", "recompute", "recompute"]
+    assert [p.name for p in backend.policies] == [
+        "keep", "recompute", "segments(attention_core)@offload=1.0", "keep@offload=0.37"]
+    assert result.extra["traffic_offload_h2d_mb"] > 0  # the pool grew for the last step's policies
     ref_losses, ref_weights = single_reference(world=1, **kw)
     assert_matches_reference([{"variant": "switching", "losses": losses, "weights": weights}],
                              ref_losses, ref_weights)
@@ -317,34 +376,37 @@ from tests.slidedp_worker import make_config
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 args = get_flavor("qwen3-debug")
-backend = SlideDPBackend(make_config({"delivery": sys.argv[1]}, accum=1, max_norm=float(sys.argv[2])),
+variant = {"delivery": sys.argv[1], "activation": sys.argv[4]}
+backend = SlideDPBackend(make_config(variant, accum=1, max_norm=float(sys.argv[2])),
                          args, device=torch.device("cpu"), dp_rank=rank, dp_world=world)
 x = torch.randint(0, args.vocab_size, (2, 16))
 backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel() * world)
-bad = torch.full((2, 16), args.vocab_size)  # not a token: the embedding lookup raises
-if sys.argv[3] == "closed":
+bad = torch.full((2, 16), args.vocab_size)  # not a token: the embedding lookup (or the loss) raises
+if sys.argv[3] == "closed":  # a bad label: the head fails with every block's activations offloaded
     try:
-        backend.train_step([(bad, x)], lr=1e-3, global_target_tokens=x.numel() * world)
+        backend.train_step([(x, bad)], lr=1e-3, global_target_tokens=x.numel() * world)
     finally:
+        assert backend.offloader.blocks_held == 0 and backend.offloader.pool.nbytes == 0
         backend.close()
 else:  # uncaught, and no close(): the interpreter's exit must not wait on the runtime's threads
     backend.train_step([(bad, x)], lr=1e-3, global_target_tokens=x.numel() * world)
 """
 
 
-@pytest.mark.parametrize("delivery,max_norm,ending", [("sharded", 0.0, "uncaught"),
-                                                       ("replicated", 1.0, "closed")])
-def test_a_failing_step_ends_every_rank_promptly(tmp_path, delivery, max_norm, ending):
-    """An error inside a step (here a bad token id; on a GPU typically out-of-memory) reaches
-    the caller and the process exits, releasing the shared state, instead of waiting forever
-    on the runtime's delivery and update threads."""
+@pytest.mark.parametrize("delivery,max_norm,ending,activation", [
+    ("sharded", 0.0, "uncaught", "recompute"), ("replicated", 1.0, "closed", "keep@offload=1")])
+def test_a_failing_step_ends_every_rank_promptly(tmp_path, delivery, max_norm, ending, activation):
+    """An error inside a step (here a bad token id or label; on a GPU typically out-of-memory)
+    reaches the caller and the process exits, releasing the shared state and the offloaded
+    activations, instead of waiting forever on the runtime's delivery and update threads."""
     script = tmp_path / "failing_step.py"
     script.write_text(FAILING_STEP)
     before = _shmem_bytes()
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 "--nproc_per_node=2", str(script), delivery, str(max_norm), ending],
+                                 "--nproc_per_node=2", str(script), delivery, str(max_norm), ending,
+                                 activation],
                                 cwd=REPO, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT)
     try:
         proc.wait(timeout=120)
@@ -355,3 +417,44 @@ def test_a_failing_step_ends_every_rank_promptly(tmp_path, delivery, max_norm, e
     assert proc.returncode != 0
     assert "IndexError" in out, out[-3000:]
     assert _shmem_bytes() - before < 2**26
+
+
+def test_offloaded_activations_are_freed_when_a_step_fails():
+    """A step that fails in the head, with every block's activations offloaded (and the graphs
+    still referenced by the exception's traceback): every host slice and every GPU-side copy is
+    released at once, and the backend refuses further steps."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from slidedp.activations.offload import BlockOffload
+    from slidedp.engine import SlideDPBackend
+
+    args = get_flavor("qwen3-debug")
+    cfg = make_config({"activation": "recompute@offload=1",
+                       "activation_blocks": "1-2:keep@offload=0.37"}, accum=1, max_norm=0.0)
+    backend = SlideDPBackend(cfg, args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    held: list[StorageWeakRef] = []
+    pack = BlockOffload.pack
+
+    def recording_pack(self, t):
+        packed = pack(self, t)
+        if packed is not t:
+            held.extend(StorageWeakRef(x.untyped_storage()) for x in
+                        (packed.stored.host, packed.stored.rest) if x is not None)
+        return packed
+
+    BlockOffload.pack = recording_pack
+    try:
+        x = torch.randint(0, args.vocab_size, (2, 16))
+        backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel())
+        held.clear()
+        with pytest.raises(IndexError) as failure:
+            backend.train_step([(x, torch.full_like(x, args.vocab_size))], lr=1e-3,
+                               global_target_tokens=x.numel())
+        assert held and failure.traceback  # offloaded, and the traceback is alive
+        assert all(ref.expired() for ref in held)
+        assert backend.offloader.blocks_held == 0 and backend.offloader.pool.nbytes == 0
+        with pytest.raises(RuntimeError, match="restart from the last checkpoint"):
+            backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel())
+    finally:
+        BlockOffload.pack = pack
+        backend.close()

@@ -83,6 +83,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.activation_checkpoint.mode = a.ac
     cfg.slidedp.delivery, cfg.slidedp.reduction = route.split("/")
     cfg.slidedp.activation, cfg.slidedp.keep_blocks = a.activation, a.keep_blocks
+    cfg.slidedp.activation_blocks = a.activation_blocks
     cfg.slidedp.window_slots, cfg.slidedp.chunk_mib = a.slots, a.chunk_mib
     cfg.slidedp.check_host_memory = not a.no_memory_check
     return cfg
@@ -111,6 +112,9 @@ def main() -> None:
                    help="slidedp: POLICY:B1,B2,... entries run in one build, in order (e.g. "
                         "recompute:16,32 keep:1,2,4); replaces --activation and --batches")
     p.add_argument("--keep-blocks", type=int, default=0, help="slidedp: first N blocks keep activations")
+    p.add_argument("--activation-blocks", default="",
+                   help='slidedp: per-block policies over each point\'s, e.g. "0-3:keep, 30-35:'
+                        'recompute@offload=0.5" (slidedp.activation_blocks)')
     p.add_argument("--slots", type=int, default=3)
     p.add_argument("--chunk-mib", type=float, default=32.0)
     p.add_argument("--max-norm", type=float, default=1.0)
@@ -168,7 +172,8 @@ def main() -> None:
             backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
         for policy, batch, accum in points:
             if a.mode == "slidedp":
-                backend.set_activation(default=policy, keep_blocks=a.keep_blocks)
+                backend.set_activation(default=policy, blocks=a.activation_blocks,
+                                       keep_blocks=a.keep_blocks)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -210,6 +215,7 @@ def main() -> None:
                    "kernels": kernels.name, "attention_op": attention_op,
                    "ac": a.ac if a.mode != "slidedp" else policy,
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
+                   "activation_blocks": a.activation_blocks if a.mode == "slidedp" else None,
                    "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
                    "world": world, "seq": a.seq, "local_batch": batch, "accum": accum,
                    "max_norm": a.max_norm, "nonfinite": a.nonfinite, "step_time_s": step_time,
@@ -245,7 +251,8 @@ def report(paths: list[str]) -> str:
     lines = ["| model | kernels | system | route | activations | seq/GPU | tokens/s | TFLOP/s/GPU | MFU | peak GPU GiB (alloc/reserved) | host RSS GiB | vs reference | vs FSDP2 peak |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ac = r["ac"] + (f"+keep{r['keep_blocks']}" if r.get("keep_blocks") else "")
+        ac = (r["ac"] + (f"+keep{r['keep_blocks']}" if r.get("keep_blocks") else "")
+              + (f" [{r['activation_blocks']}]" if r.get("activation_blocks") else ""))
         ref_ac = "full" if r["ac"] == "recompute" else ("none" if r["ac"] == "keep" else r["ac"])
         ref = refs.get((r["flavor"], r["kernels"], r["local_batch"], r["seq"], ref_ac))
         vs_ref = f"{r['tokens_per_s'] / ref:.1%}" if ref else "–"
