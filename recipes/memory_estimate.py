@@ -21,7 +21,8 @@ for BF16, 4 for FP32):
     slidedp  resident: BF16 buffers (slidedp.window_slots block slots + embedding + head), the
              gradients in flight during backward (SLIDEDP_GRAD_COPIES copies of
              SLIDEDP_GRAD_BLOCKS blocks and of the head; the embedding's comes last, when the
-             activations are gone) and the reduce-scatter receive buffer (largest unit / R);
+             activations are gone), the reduce-scatter receive buffer (largest unit / R) and,
+             without slidedp.bf16_shadow, the FP32 chunk that delivery casts on the device;
              gradients: 0 (they go to the host as they come)
 
 activations: tokens per micro-batch (local_batch_size x seq_len) x (the sum over blocks of the
@@ -54,7 +55,7 @@ from typing import Literal
 
 from models.args import QwenArgs
 from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policies
-from slidedp.layout import StateLayout
+from slidedp.layout import StateLayout, chunk_elems
 
 Kernel = Literal["liger", "torch"]
 """What models/kernels.py resolves [model] kernels to."""
@@ -193,7 +194,8 @@ def _resident_and_gradients(config, args: QwenArgs, *, world: int,
     grads = SLIDEDP_GRAD_COPIES * (SLIDEDP_GRAD_BLOCKS * layout.block_padded
                                    + layout.head.padded) * 2
     receive = max(u.padded for u in layout.units) // world * 2
-    return buffers + grads + receive, 0
+    cast = 0 if config.slidedp.bf16_shadow else chunk_elems(config.slidedp.chunk_mib) * 4
+    return buffers + grads + receive + cast, 0
 
 
 def estimate_device_memory(config, args: QwenArgs, *, world: int,

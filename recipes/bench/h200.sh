@@ -6,6 +6,7 @@
 #         fused-kernel stages (one H200, both [model] kernels side by side):
 #         kgputest attn actbytes ref4b ref8b refliger fsdp4b slidedp4b same4b slidedp8b slidedp8bplain
 #         long context: long4b long8b (one 262,144-token sequence, YaRN x8 over 32,768)
+#         host memory and the update order (one H200): clip8b tail4b
 #         (each appends to OUT_DIR/runs.jsonl; traces go to OUT_DIR).
 set -uo pipefail
 out=$1; shift
@@ -28,8 +29,7 @@ largest() {
 # long_context FLAVOR: one 262,144-token sequence. Qwen3's cards give YaRN x4 over 32,768 native
 # positions for 131,072; 262,144 takes x8 (our choice, beyond the 131,072 Qwen validated). Full
 # recompute (the block-boundary states alone are 2 x dim bytes/token/block: 45 GiB for 4B, 72 GiB
-# for 8B), no clipping (with it 8B's host state is 18 B/param, more than the 1-GPU machine's
-# 128 GiB), one timed step without warm-up: a step takes minutes.
+# for 8B), no clipping, one timed step without warm-up: a step takes minutes.
 long_context() {
   timeout 590 "${bench[@]}" --mode slidedp --kernels liger --flavor "$1" --seq 262144 \
     --rope-scaling-type yarn --rope-scaling-factor 8 --original-max-position-embeddings 32768 \
@@ -129,6 +129,23 @@ for stage in "$@"; do
                       --max-norm 0 --no-memory-check --points recompute:16 ;;
     long4b) long_context qwen3-4B ;;
     long8b) long_context qwen3-8B ;;
+    # Qwen3-8B with clipping at the default max_norm 1.0 on the one-H200 machine (128 GiB of
+    # RAM): the host state is 14 B/param, 106.8 GiB (an FP32 gradient buffer made it 137), and
+    # the start-up check is on (no --no-memory-check). The rows' peak_rss_gib is the host memory
+    # used. Then the same without the shadow (FP32 delivery, cast on the GPU; also 14 B/param).
+    clip8b) timeout 400 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 \
+              --points recompute:16 keep:2 --label clip1
+            timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 \
+              --no-shadow --points recompute:16 --label clip1-noshadow ;;
+    # The small-batch tail: Qwen3-4B, keep, 1-4 sequences, no clipping. "arrival" runs the host
+    # updates as the gradients came home, so the next forward waits for the whole queue (the
+    # embedding's update is last: the order before slidedp.update_order); "next_use" runs what
+    # backward left embedding first, so the next forward overlaps it. Rows: step time,
+    # update_tail_s (end of compute to last update), update_wait_s, host_delivery_wait_s.
+    tail4b) for order in arrival next_use; do
+              timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0 \
+                --no-memory-check --points keep:1,2,4 --update-order "$order" --label "tail-$order"
+            done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -79,12 +79,15 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.model.original_max_position_embeddings = a.original_max_position_embeddings
     cfg.training.seq_len, cfg.training.max_norm = a.seq, a.max_norm
     cfg.training.nonfinite = a.nonfinite
+    # The host state must hold the largest accumulation run (SlideDP's FP32 buffer).
+    cfg.training.grad_accum_steps = max(int(n) for n in a.accum.split(","))
     cfg.training.init_on_meta = True
     cfg.activation_checkpoint.mode = a.ac
     cfg.slidedp.delivery, cfg.slidedp.reduction = route.split("/")
     cfg.slidedp.activation, cfg.slidedp.keep_blocks = a.activation, a.keep_blocks
     cfg.slidedp.activation_blocks = a.activation_blocks
     cfg.slidedp.window_slots, cfg.slidedp.chunk_mib = a.slots, a.chunk_mib
+    cfg.slidedp.bf16_shadow, cfg.slidedp.update_order = not a.no_shadow, a.update_order
     cfg.slidedp.check_host_memory = not a.no_memory_check
     return cfg
 
@@ -123,6 +126,11 @@ def main() -> None:
                         "updates during backward instead of waiting for the step's norm")
     p.add_argument("--accum", default="1",
                    help="slidedp/fsdp2: list of micro-batch counts each local batch is split into")
+    p.add_argument("--no-shadow", action="store_true",
+                   help="slidedp: no BF16 shadow (slidedp.bf16_shadow = false: FP32 delivery, "
+                        "cast on the GPU)")
+    p.add_argument("--update-order", default="next_use", choices=("next_use", "arrival"),
+                   help="slidedp.update_order")
     p.add_argument("--no-memory-check", action="store_true",
                    help="slidedp: skip the MemAvailable check (VMs whose memory grows on demand)")
     p.add_argument("--warmup", type=int, default=1)
@@ -178,10 +186,10 @@ def main() -> None:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
             times, extras, traced = [], [], {}
-            # With clipping, SlideDP runs step t's update during step t+1: the warm-up must hold
-            # one whole update cycle (the first also faults in the Adam moments' host pages).
-            deferred = a.max_norm > 0 or a.nonfinite != "off"
-            warmup = a.warmup + (a.mode == "slidedp" and deferred)
+            # SlideDP's host updates of step t run on during step t+1 (all of them with
+            # clipping): the warm-up must hold one whole update cycle (the first also faults in
+            # the Adam moments' host pages).
+            warmup = a.warmup + (a.mode == "slidedp")
             n_timed = warmup + a.steps
             # The traced step (rank 0 profiles) comes after the timed ones: its overhead stays out.
             trace = bool(a.trace_dir) and a.trace_batch in (0, batch)
@@ -216,6 +224,8 @@ def main() -> None:
                    "ac": a.ac if a.mode != "slidedp" else policy,
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
                    "activation_blocks": a.activation_blocks if a.mode == "slidedp" else None,
+                   "bf16_shadow": not a.no_shadow if a.mode == "slidedp" else None,
+                   "update_order": a.update_order if a.mode == "slidedp" else None,
                    "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
                    "world": world, "seq": a.seq, "local_batch": batch, "accum": accum,
                    "max_norm": a.max_norm, "nonfinite": a.nonfinite, "step_time_s": step_time,
@@ -223,7 +233,10 @@ def main() -> None:
                                 flops_per_token=args.flops_per_token(a.seq), world=world,
                                 on_cuda=device.type == "cuda"),
                    **memory(device),
-                   **{k: statistics.mean(e[k] for e in extras) for k in (extras[0] if extras else {})},
+                   # A step reports a key only when it has one (update_tail_s: when a step's
+                   # updates all ended), so each mean is over the steps that have it.
+                   **{k: statistics.mean(e[k] for e in extras if k in e)
+                      for k in dict.fromkeys(k for e in extras for k in e)},
                    **traced}
             if rank == 0:
                 emit("bench", row, a.out)
