@@ -111,14 +111,16 @@ def fsdp2_variants_rank(rank: int, world: int, variants: list[dict]) -> list[dic
 
 
 def test_fsdp2_selective_checkpointing_and_cpu_offload_match_the_plain_run():
-    """torchtitan's op-level selective checkpointing recomputes exactly what forward computed,
-    and CPUOffloadPolicy moves the same shards through host memory: both give the plain FP32
-    run's losses, norms and weights."""
-    base = {**BASE, "training.dtype": "fp32"}
-    plain, selective, offload = (r for r in run_ranks(fsdp2_variants_rank, world=WORLD, args=([
-        base, {**base, "activation_checkpoint.mode": "selective"},
-        {**base, "parallelism.fsdp_cpu_offload": True}],))[0])
-    for variant in (selective, offload):
+    """torchtitan's op-level selective checkpointing recomputes exactly what forward computed
+    (FP32, and BF16 with its casts), and CPUOffloadPolicy moves the same shards through host
+    memory: each gives the plain run's losses, norms and weights."""
+    fp32 = {**BASE, "training.dtype": "fp32"}
+    bf16 = {**BASE, "training.dtype": "bf16"}
+    runs = run_ranks(fsdp2_variants_rank, world=WORLD, args=([
+        fp32, {**fp32, "activation_checkpoint.mode": "selective"},
+        {**fp32, "parallelism.fsdp_cpu_offload": True},
+        bf16, {**bf16, "activation_checkpoint.mode": "selective"}],))[0]
+    for plain, variant in ((runs[0], runs[1]), (runs[0], runs[2]), (runs[3], runs[4])):
         assert variant["losses"] == pytest.approx(plain["losses"], rel=1e-6)
         assert variant["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-6)
         for name, weight in plain["weights"].items():

@@ -13,9 +13,12 @@ reference): torchtitan's options `none`, `full` and `selective` with its op-leve
 torchtitan's `apply_ac` does not fit our model as it is: it replaces each block with a
 `CheckpointWrapper` module, which renames every block parameter in `model.named_parameters()`
 (`layers.N._checkpoint_wrapped_module.…`), the names our Hugging Face export, sharded init and
-checkpoint loads go by. So the same policy is applied here through torch's composable
-`checkpoint` (hooks; no module or name changes) with torch's
-`create_selective_checkpoint_contexts`, as torchtitan's does.
+checkpoint loads go by. So the same policies are applied here to each block's `forward` (torch's
+non-reentrant checkpoint, and for "selective" torch's `create_selective_checkpoint_contexts`, as
+torchtitan's code does), which leaves the modules and their names as they are. Like torchtitan's
+wrapper, the checkpointed region is the block's forward alone, inside the module call: FSDP2's
+hooks on the block (all-gathers, record_function markers) stay outside it, where op-level
+checkpointing needs them (forward and replay must run the same ops).
 
 With the liger kernels ([model] kernels, models/kernels.py) RMSNorm, RoPE and SwiGLU are Triton
 autograd Functions, not aten ops: op-level checkpointing cannot see them, so they are always
@@ -23,12 +26,13 @@ replayed in backward (as they are under "full"); only the matmul and attention o
 """
 
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 ACMode = Literal["none", "full", "selective"]
 
@@ -73,12 +77,16 @@ def _op_sac_contexts():
     return create_selective_checkpoint_contexts(op_sac_policy())
 
 
+def _checkpointed(forward: Callable[..., torch.Tensor], *args: torch.Tensor,
+                  selective: bool) -> torch.Tensor:
+    kwargs = {"context_fn": _op_sac_contexts} if selective else {}
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
 def apply_activation_checkpointing(model: nn.Module, *, mode: ACMode) -> None:
-    """`mode` on every block of `model.layers`, in place (parameter names unchanged)."""
+    """`mode` on every block of `model.layers`, in place (modules and parameter names
+    unchanged): each block's forward runs under the checkpoint, its hooks outside."""
     if mode == "none":
         return
     for block in model.layers:
-        if mode == "full":
-            checkpoint(block)
-        else:
-            checkpoint(block, context_fn=_op_sac_contexts)
+        block.forward = partial(_checkpointed, block.forward, selective=mode == "selective")
