@@ -142,3 +142,35 @@ def test_deepspeed_zero_offload_matches_single_process(stage):
     diff = torch.cat([(got["weights"][n] - w).abs().flatten() for n, w in ref["weights"].items()])
     assert diff.max() <= BASE["optimizer.lr"] * BASE["training.steps"]
     assert diff.mean() <= 2e-4
+
+
+def test_memory_estimate_of_the_offloading_baselines():
+    """FSDP2's CPU offload keeps the sharded 16 B/param off the GPU; ZeRO-Offload keeps BF16
+    weights and gradients there (ZeRO-2: all of them, ZeRO-3: a shard), and the host check
+    counts what they offload."""
+    from models.flavors import FLAVORS
+    from recipes.memory_estimate import estimate_device_memory
+    from recipes.preflight import check_host_memory
+
+    args, world = FLAVORS["qwen3-8B"], 2
+    n = args.num_params()
+
+    def estimate(**overrides):
+        return estimate_device_memory(make_config({"training.seq_len": 4096, **overrides}), args,
+                                      world=world, kernels="liger")
+
+    plain, offload = estimate(**{"parallelism.mode": "fsdp2"}), estimate(
+        **{"parallelism.mode": "fsdp2", "parallelism.fsdp_cpu_offload": True})
+    assert plain.resident - offload.resident == pytest.approx(n * 12 / world, abs=1)
+    assert plain.gradients - offload.gradients == pytest.approx(n * 4 / world, abs=1)
+    zero2 = estimate(**{"parallelism.mode": "deepspeed", "deepspeed.zero_stage": 2})
+    zero3 = estimate(**{"parallelism.mode": "deepspeed", "deepspeed.zero_stage": 3})
+    assert zero2.resident == zero2.gradients == 2 * n
+    assert zero3.resident < zero2.resident and zero3.gradients < zero2.gradients
+    config = make_config({"parallelism.mode": "deepspeed"})
+    need = 4 * n + 16 * n // world  # the FP32 model each rank builds + its offloaded shard
+    check_host_memory(config, args, world=world, on_cpu=False, available=0,
+                      total=int(world * need * 1.09))
+    with pytest.raises(ConfigError, match="^host memory: 2 rank"):
+        check_host_memory(config, args, world=world, on_cpu=False, available=0,
+                          total=int(world * need / 1.11))

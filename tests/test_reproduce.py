@@ -16,7 +16,7 @@ from tests.conftest import REPO, subprocess_env
 # script -> (extra flags, points its CSV must hold)
 SCRIPTS = {
     "batch_sweep": (["--systems", "slidedp-recompute,reference-full"], 4),
-    "head_to_head": ([], 3),  # two batches + the geometric mean
+    "head_to_head": (["--systems", "slidedp-recompute,reference-full"], 3),  # 2 batches + geomean
     "routes": (["--routes", "sharded/gpu,replicated/cpu"], 2),
     "scaling": ([], 4),  # strong and weak on 1 and 2 ranks
     "chunk_sweep": ([], 2),

@@ -71,7 +71,8 @@ def main() -> None:
     elements = args.elements or default_elements()
     print(f"STREAM triad, 3 x {elements * 8 / 2**20:.0f} MiB FP64 arrays")
     for threads in (int(t) for t in args.threads.split(",")):
-        print(f"{threads:3d} threads: {triad_gbs(elements=elements, threads=threads, repeats=args.repeats):7.1f} GB/s")
+        gbs = triad_gbs(elements=elements, threads=threads, repeats=args.repeats)
+        print(f"{threads:3d} threads: {gbs:7.1f} GB/s")
 
 
 if __name__ == "__main__":

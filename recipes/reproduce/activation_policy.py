@@ -5,19 +5,16 @@ build for all) beside the GPU-resident baselines' checkpointing (none, selective
     python -m recipes.reproduce.activation_policy [--batches 4,16] [--systems fsdp2-full,...]
 """
 
-from recipes.reproduce.common import (SYSTEMS, Column, Runner, parser, require_matplotlib,
-                                      resolve, select_systems, write_outputs)
+from recipes.reproduce.common import (BATCH, GPU_ALLOC, GPU_RESERVED, HOST_RSS, STEP, SYSTEM,
+                                      TOKENS, Column, parser, select_systems, start,
+                                      write_outputs)
 
 PAPER = ("at 32 sequences per GPU the fixed Qwen3-14B configuration uses 15.0 GiB of peak CUDA "
          "reserved memory on an 80-GB H100: spare HBM is a policy variable (retain activations, "
          "retain intermediates, or replay less), chosen per block by Elastic Checkpointing.")
 
-COLUMNS = [Column("system", "system"), Column("policy", "activations"),
-           Column("local_batch", "seq/GPU"), Column("tokens_per_s", "tokens/s", "{:,.0f}"),
-           Column("step_time_s", "s/step", "{:.3f}"),
-           Column("peak_mem_alloc_gib", "GPU GiB alloc", "{:.1f}"),
-           Column("peak_mem_reserved_gib", "GPU GiB reserved", "{:.1f}"),
-           Column("peak_rss_gib", "host RSS GiB", "{:.2f}")]
+COLUMNS = [SYSTEM, Column("policy", "activations"), BATCH, TOKENS, STEP, GPU_ALLOC, GPU_RESERVED,
+           HOST_RSS]
 
 
 def plot(plt, rows: list[dict]):
@@ -34,18 +31,15 @@ def plot(plt, rows: list[dict]):
 
 
 def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--batches", help="local batch sizes, ascending")
+    p = parser(__doc__, systems="the baselines (empty: none)", batches=True)
     p.add_argument("--policies", default="keep,selective,recompute",
                    help="SlideDP policies (empty: none)")
     p.add_argument("--keep-blocks", type=int, default=0,
                    help="SlideDP: the first N blocks keep everything (each policy's variant)")
-    p.add_argument("--systems", help=f"the baselines, from {', '.join(SYSTEMS)} (empty: none)")
     args = p.parse_args()
-    resolve(args, gpu={"batches": "4,16", "systems": "fsdp2-none,fsdp2-selective,fsdp2-full"},
-            tiny={"batches": "1,2", "systems": ""})
-    require_matplotlib()
-    runner = Runner(args, experiment="activation_policy")
+    runner = start(args, "activation_policy",
+                   gpu={"batches": "4,16", "systems": "fsdp2-none,fsdp2-selective,fsdp2-full"},
+                   tiny={"batches": "1,2", "systems": ""})
     nproc, rows = runner.nproc(), []
     if args.policies:
         # Ascending memory: a policy that does not fit ends the launch after the cheaper ones.

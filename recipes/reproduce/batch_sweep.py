@@ -5,8 +5,9 @@ local batch, per system, on every GPU found.
         [--batches 1,2,4,8,16] [--flavor qwen3-4B --seq 4096]
 """
 
-from recipes.reproduce.common import (SYSTEMS, Column, Runner, parser, require_matplotlib,
-                                      resolve, select_systems, write_outputs)
+from recipes.reproduce.common import (BATCH, GPU_ALLOC, GPU_RESERVED, HOST_RSS, STEP, SYSTEM,
+                                      TOKENS, WORLD, Column, log2_axis, parser, select_systems,
+                                      start, write_outputs)
 
 PAPER = ("batch-size scaling and CPU memory for Qwen3-8B on 4 x RTX 4090 and Qwen3-14B on "
          "4 x H100, GPU memory against batch for Qwen3-14B (figures; the summary gives no values). "
@@ -15,12 +16,8 @@ PAPER = ("batch-size scaling and CPU memory for Qwen3-8B on 4 x RTX 4090 and Qwe
          "Llama-3.1-8B, batch 32, seq 1024: 18.3 s/step, 1,791 tokens/s; SlideDP, Qwen3-14B at "
          "32 sequences per GPU on an 80-GB H100: 15.0 GiB peak reserved.")
 
-COLUMNS = [Column("system", "system"), Column("world", "GPUs"),
-           Column("local_batch", "seq/GPU"), Column("tokens_per_s", "tokens/s", "{:,.0f}"),
-           Column("step_time_s", "s/step", "{:.3f}"), Column("mfu", "MFU", "{:.1%}"),
-           Column("peak_mem_alloc_gib", "GPU GiB alloc", "{:.1f}"),
-           Column("peak_mem_reserved_gib", "GPU GiB reserved", "{:.1f}"),
-           Column("peak_rss_gib", "host RSS GiB", "{:.2f}")]
+COLUMNS = [SYSTEM, WORLD, BATCH, TOKENS, STEP, Column("mfu", "MFU", "{:.1%}"), GPU_ALLOC,
+           GPU_RESERVED, HOST_RSS]
 
 
 def plot(plt, rows: list[dict]):
@@ -33,10 +30,7 @@ def plot(plt, rows: list[dict]):
                       if r["system"] == system and r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", label=system)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequences per GPU")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
+        log2_axis(ax, ylabel=label)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{rows[0]['flavor']}, seq {rows[0]['seq']}, {rows[0]['world']} GPU(s)"
                  if rows else "no points")
@@ -44,17 +38,13 @@ def plot(plt, rows: list[dict]):
 
 
 def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--systems", help=f"comma list of {', '.join(SYSTEMS)}")
-    p.add_argument("--batches", help="local batch sizes, ascending")
-    args = p.parse_args()
-    resolve(args, gpu={"batches": "1,2,4,8,16",
-                       "systems": "slidedp-recompute,fsdp2-full,zero2-offload,reference-full"},
-            tiny={"batches": "1,2", "systems": "slidedp-recompute,fsdp2-full,reference-full"})
-    require_matplotlib()
-    systems = select_systems(args.systems)
-    runner = Runner(args, experiment="batch_sweep")
-    rows = runner.sweep(systems, args.batches, nproc=runner.nproc())
+    args = parser(__doc__, systems="the systems", batches=True).parse_args()
+    runner = start(args, "batch_sweep",
+                   gpu={"batches": "1,2,4,8,16",
+                        "systems": "slidedp-recompute,fsdp2-full,zero2-offload,reference-full"},
+                   tiny={"batches": "1,2",
+                         "systems": "slidedp-recompute,fsdp2-full,reference-full"})
+    rows = runner.sweep(select_systems(args.systems), args.batches, nproc=runner.nproc())
     write_outputs(runner, rows, COLUMNS, title="Batch-size sweep", paper=PAPER, plot=plot)
 
 

@@ -4,26 +4,21 @@ pieces of a block) against throughput and the update tail, at one batch; one bui
     python -m recipes.reproduce.chunk_sweep [--chunks 4,8,16,32,64,128] [--batch 16]
 """
 
-from recipes.reproduce.common import Column, Runner, parser, require_matplotlib, resolve, write_outputs
+from recipes.reproduce.common import (BATCH, GPU_RESERVED, STEP, TOKENS, WORLD, Column, log2_axis,
+                                      parser, start, write_outputs)
 
 PAPER = ("chunk-size sweeps (a figure; the summary gives no values): chunking overlaps the cast "
          "of one chunk with the transfer of another, and the gradient return with the CPU "
          "update.")
 
-COLUMNS = [Column("chunk_mib", "chunk MiB"), Column("route", "route"), Column("world", "GPUs"),
-           Column("local_batch", "seq/GPU"), Column("tokens_per_s", "tokens/s", "{:,.0f}"),
-           Column("step_time_s", "s/step", "{:.3f}"),
-           Column("update_tail_s", "update tail s", "{:.3f}"),
-           Column("peak_mem_reserved_gib", "GPU GiB reserved", "{:.1f}")]
+COLUMNS = [Column("chunk_mib", "chunk MiB"), Column("route", "route"), WORLD, BATCH, TOKENS, STEP,
+           Column("update_tail_s", "update tail s", "{:.3f}"), GPU_RESERVED]
 
 
 def plot(plt, rows: list[dict]):
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["chunk_mib"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("slidedp.chunk_mib")
-    ax.set_ylabel("tokens/s")
-    ax.grid(alpha=0.3)
+    log2_axis(ax, xlabel="slidedp.chunk_mib", ylabel="tokens/s")
     tail = ax.twinx()
     tail.plot([r["chunk_mib"] for r in rows], [r.get("update_tail_s", 0) for r in rows],
               marker="s", color="tab:red")
@@ -38,10 +33,9 @@ def main() -> None:
     p.add_argument("--route", default="sharded/gpu", help="delivery/reduction")
     p.add_argument("--activation", default="recompute", help="SlideDP's activation policy")
     args = p.parse_args()
-    resolve(args, gpu={"chunks": "4,8,16,32,64,128", "batch": 16},
-            tiny={"chunks": "0.25,1", "batch": 1})
-    require_matplotlib()
-    runner = Runner(args, experiment="chunk_sweep")
+    runner = start(args, "chunk_sweep",
+                   gpu={"chunks": "4,8,16,32,64,128", "batch": 16},
+                   tiny={"chunks": "0.25,1", "batch": 1})
     rows = []
     for chunk in args.chunks.split(","):
         for row in runner.bench(["--mode", "slidedp", "--activation", args.activation,

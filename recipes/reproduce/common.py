@@ -59,10 +59,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
 policies of the SlideDP runtime still to come; DeepSpeed needs the deepspeed package."""
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
-    """The flags every experiment takes; each adds its own. Unset ones take the experiment's
-    defaults (GPU) or, with --tiny, its CPU-sized ones."""
+def parser(doc: str, *, systems: str = "", batches: bool = False) -> argparse.ArgumentParser:
+    """The flags every experiment takes, --systems (helped by `systems`) and --batches where
+    asked for; each adds its own. Unset ones take the experiment's defaults (GPU) or, with
+    --tiny, its CPU-sized ones (`start`)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if systems:
+        p.add_argument("--systems", help=f"{systems}: a comma list of {', '.join(SYSTEMS)}")
+    if batches:
+        p.add_argument("--batches", help="local batch sizes, ascending")
     p.add_argument("--out-dir", help="output folder (default docs/results/<experiment>)")
     p.add_argument("--flavor", help="model flavor (models/flavors.py)")
     p.add_argument("--seq", type=int, help="tokens per sequence")
@@ -79,8 +84,16 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def resolve(args: argparse.Namespace, *, gpu: dict[str, Any], tiny: dict[str, Any]) -> None:
-    """Fill the unset flags from the experiment's defaults, GPU-sized or --tiny."""
+def start(args: argparse.Namespace, experiment: str, *, gpu: dict[str, Any],
+          tiny: dict[str, Any]) -> "Runner":
+    """The unset flags filled from the experiment's defaults (GPU-sized, or --tiny), matplotlib
+    checked, and the experiment's Runner."""
+    _resolve(args, gpu=gpu, tiny=tiny)
+    require_matplotlib()
+    return Runner(args, experiment=experiment)
+
+
+def _resolve(args: argparse.Namespace, *, gpu: dict[str, Any], tiny: dict[str, Any]) -> None:
     defaults = {"flavor": "qwen3-4B", "seq": 4096, "steps": 2, "warmup": 1, "max_norm": 1.0, **gpu}
     if args.tiny:
         defaults.update({"flavor": "qwen3-debug", "seq": 64, "steps": 1, "warmup": 0, **tiny})
@@ -217,6 +230,25 @@ class Column:
         if value is None or (isinstance(value, float) and math.isnan(value)):
             return "–"
         return self.fmt.format(value)
+
+
+SYSTEM = Column("system", "system")
+WORLD = Column("world", "GPUs")
+BATCH = Column("local_batch", "seq/GPU")
+TOKENS = Column("tokens_per_s", "tokens/s", "{:,.0f}")
+STEP = Column("step_time_s", "s/step", "{:.3f}")
+GPU_ALLOC = Column("peak_mem_alloc_gib", "GPU GiB alloc", "{:.1f}")
+GPU_RESERVED = Column("peak_mem_reserved_gib", "GPU GiB reserved", "{:.1f}")
+HOST_RSS = Column("peak_rss_gib", "host RSS GiB", "{:.2f}")
+"""The columns most tables share (bench row keys)."""
+
+
+def log2_axis(ax, *, xlabel: str = "sequences per GPU", ylabel: str) -> None:
+    """A plot axis over powers of two, labelled, with a light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
 
 
 def markdown_table(rows: Iterable[dict], columns: Sequence[Column]) -> str:

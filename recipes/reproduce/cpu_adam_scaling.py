@@ -9,7 +9,7 @@ The update's bytes are counted at 28 per parameter, the triad's as STREAM counts
 import os
 
 from recipes.bench import cpu_adam, stream
-from recipes.reproduce.common import Column, Runner, parser, require_matplotlib, resolve, write_outputs
+from recipes.reproduce.common import Column, log2_axis, parser, start, write_outputs
 
 PAPER = ("on the H100 host CPU Adam reaches an estimated 182-184 GB/s at 16 physical cores "
          "across 101-488M-parameter layers; 32 cores improve the update by only 8.5-10.0%.")
@@ -20,8 +20,10 @@ NOTES = ("Measured here before (docs/DESIGN.md §3b, one H200 host, 16 cores): o
          "figure to compare with.")
 
 COLUMNS = [Column("threads", "threads"), Column("ours_gparams", "ours Gparam/s", "{:.2f}"),
-           Column("ours_gbs", "ours GB/s", "{:.1f}"), Column("torch_gbs", "torch fused+casts GB/s", "{:.1f}"),
-           Column("copy_gbs", "copy_ GB/s", "{:.1f}"), Column("triad_gbs", "STREAM triad GB/s", "{:.1f}"),
+           Column("ours_gbs", "ours GB/s", "{:.1f}"),
+           Column("torch_gbs", "torch fused+casts GB/s", "{:.1f}"),
+           Column("copy_gbs", "copy_ GB/s", "{:.1f}"),
+           Column("triad_gbs", "STREAM triad GB/s", "{:.1f}"),
            Column("ours_over_triad", "ours / triad", "{:.0%}"),
            Column("ours_over_torch", "ours / torch", "{:.2f}x")]
 
@@ -32,11 +34,8 @@ def plot(plt, rows: list[dict]):
     for key, label in (("ours_gbs", "our Adam (28 B/param)"), ("torch_gbs", "torch fused + casts"),
                        ("copy_gbs", "torch copy_"), ("triad_gbs", "STREAM triad")):
         ax.plot(threads, [r[key] for r in rows], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("threads")
-    ax.set_ylabel("GB/s")
+    log2_axis(ax, xlabel="threads", ylabel="GB/s")
     ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
     return fig
 
 
@@ -51,13 +50,13 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     all_threads = ",".join(map(str, [1 << i for i in range(cores.bit_length()) if 1 << i < cores]
                                + [cores]))
-    resolve(args, gpu={"params": 200e6, "threads": all_threads,
-                       "stream_elements": stream.default_elements()},
-            tiny={"params": 2e6, "threads": "1,2", "stream_elements": 4 * 2**20})
-    require_matplotlib()
-    runner = Runner(args, experiment="cpu_adam_scaling")
+    runner = start(args, "cpu_adam_scaling",
+                   gpu={"params": 200e6, "threads": all_threads,
+                        "stream_elements": stream.default_elements()},
+                   tiny={"params": 2e6, "threads": "1,2", "stream_elements": 4 * 2**20})
     threads = [int(t) for t in args.threads.split(",")]
-    print(f"[cpu_adam_scaling] {args.params / 1e6:.0f}M params, ISA {cpu_adam.cpu_adam.active_isa()}, "
+    isa = cpu_adam.cpu_adam.active_isa()
+    print(f"[cpu_adam_scaling] {args.params / 1e6:.0f}M params, ISA {isa}, "
           f"triad 3 x {args.stream_elements * 8 / 2**20:.0f} MiB, threads {threads}", flush=True)
     rows = []
     for row in cpu_adam.run(int(args.params), threads, args.repeats):

@@ -8,9 +8,8 @@ geometric mean of those ratios over the batches where both ran.
 
 from collections import defaultdict
 
-from recipes.reproduce.common import (SYSTEMS, Column, Runner, geomean, parser,
-                                      require_matplotlib, resolve, select_systems,
-                                      write_outputs)
+from recipes.reproduce.common import (BATCH, Column, geomean, log2_axis, parser,
+                                      select_systems, start, write_outputs)
 
 PAPER = ("matched-batch sweeps: SlideDP's geometric-mean throughput ratio over SlideFormer, "
          "MegaTrain and ZeRO-Offload is 1.46-2.64x. The issue's target on one H200: >= 2.0x "
@@ -18,7 +17,7 @@ PAPER = ("matched-batch sweeps: SlideDP's geometric-mean throughput ratio over S
          "measured before: 2.40x at 4, 1.36x at 16). SlideFormer- and MegaTrain-style peers are "
          "policies of the SlideDP runtime still to come.")
 
-COLUMNS = [Column("peer", "peer"), Column("local_batch", "seq/GPU"),
+COLUMNS = [Column("peer", "peer"), BATCH,
            Column("slidedp_system", "SlideDP setting"),
            Column("slidedp_tokens_per_s", "SlideDP tokens/s", "{:,.0f}"),
            Column("peer_system", "peer setting"),
@@ -57,27 +56,20 @@ def plot(plt, rows: list[dict]):
         mean = next(r["ratio"] for r in rows if r["peer"] == peer and r["local_batch"] == "geomean")
         ax.plot(*zip(*points), marker="o", label=f"over {peer} (geomean {mean:.2f}x)")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequences per GPU")
-    ax.set_ylabel("SlideDP tokens/s / peer tokens/s")
+    log2_axis(ax, ylabel="SlideDP tokens/s / peer tokens/s")
     ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
     return fig
 
 
 def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--systems", help=f"SlideDP's settings and the peers: {', '.join(SYSTEMS)}")
-    p.add_argument("--batches", help="local batch sizes, ascending")
-    args = p.parse_args()
-    resolve(args, gpu={"batches": "1,2,4,8,16",
-                       "systems": "slidedp-recompute,slidedp-keep,zero2-offload,fsdp2-full"},
-            tiny={"batches": "1,2", "systems": "slidedp-recompute,fsdp2-full"})
-    require_matplotlib()
+    args = parser(__doc__, systems="SlideDP's settings and the peers", batches=True).parse_args()
+    runner = start(args, "head_to_head",
+                   gpu={"batches": "1,2,4,8,16",
+                        "systems": "slidedp-recompute,slidedp-keep,zero2-offload,fsdp2-full"},
+                   tiny={"batches": "1,2", "systems": "slidedp-recompute,fsdp2-full"})
     systems = select_systems(args.systems)
-    if not any(s.family == "slidedp" for s in systems) or all(s.family == "slidedp" for s in systems):
+    if len({s.family == "slidedp" for s in systems}) < 2:
         raise SystemExit("error: --systems needs SlideDP settings and at least one peer")
-    runner = Runner(args, experiment="head_to_head")
     rows = matched(runner.sweep(systems, args.batches, nproc=runner.nproc()))
     write_outputs(runner, rows, COLUMNS, title="Matched-batch head-to-head", paper=PAPER,
                   plot=plot)

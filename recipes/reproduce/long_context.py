@@ -9,8 +9,8 @@ sequence takes minutes: one timed step, no warm-up, no clipping by default.
 import math
 
 from models.flavors import FLAVORS
-from recipes.reproduce.common import (SYSTEMS, Column, Runner, parser, require_matplotlib,
-                                      resolve, select_systems, write_outputs)
+from recipes.reproduce.common import (GPU_ALLOC, GPU_RESERVED, SYSTEM, TOKENS, WORLD, Column,
+                                      log2_axis, parser, select_systems, start, write_outputs)
 
 NATIVE = 32768
 """Qwen3's pre-training positions, which YaRN scales."""
@@ -18,11 +18,8 @@ NATIVE = 32768
 PAPER = ("256K-token sequences for Qwen3-14B on 4 x H100 (no throughput given), and over 1M "
          "tokens per step without gradient accumulation.")
 
-COLUMNS = [Column("system", "system"), Column("seq", "tokens/sequence"),
-           Column("rope_scaling", "RoPE scaling"), Column("world", "GPUs"),
-           Column("tokens_per_s", "tokens/s", "{:,.0f}"), Column("step_time_s", "s/step", "{:.2f}"),
-           Column("peak_mem_alloc_gib", "GPU GiB alloc", "{:.1f}"),
-           Column("peak_mem_reserved_gib", "GPU GiB reserved", "{:.1f}"),
+COLUMNS = [SYSTEM, Column("seq", "tokens/sequence"), Column("rope_scaling", "RoPE scaling"), WORLD,
+           TOKENS, Column("step_time_s", "s/step", "{:.2f}"), GPU_ALLOC, GPU_RESERVED,
            Column("peak_rss_gib", "host RSS GiB", "{:.1f}")]
 
 
@@ -43,26 +40,20 @@ def plot(plt, rows: list[dict]):
                 label=system)
         bx.plot([r["seq"] for r in mine], [r.get("peak_mem_reserved_gib") or r["peak_rss_gib"]
                                            for r in mine], marker="o", label=system)
-    ax.set_ylabel("tokens/s")
-    bx.set_ylabel("peak GPU GiB reserved (CPU run: host RSS)")
-    for axis in (ax, bx):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("tokens per sequence")
-        axis.grid(alpha=0.3)
+    log2_axis(ax, xlabel="tokens per sequence", ylabel="tokens/s")
+    log2_axis(bx, xlabel="tokens per sequence", ylabel="peak GPU GiB reserved (CPU run: host RSS)")
     ax.legend(fontsize=8)
     return fig
 
 
 def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--systems", help=f"comma list of {', '.join(SYSTEMS)}")
+    p = parser(__doc__, systems="the systems")
     p.add_argument("--seqs", help="sequence lengths")
     args = p.parse_args()
-    resolve(args, gpu={"seqs": "32768,65536,131072,262144", "systems": "slidedp-recompute",
-                       "steps": 1, "warmup": 0, "max_norm": 0.0},
-            tiny={"seqs": "64,128", "systems": "slidedp-recompute"})
-    require_matplotlib()
-    runner = Runner(args, experiment="long_context")
+    runner = start(args, "long_context",
+                   gpu={"seqs": "32768,65536,131072,262144", "systems": "slidedp-recompute",
+                        "steps": 1, "warmup": 0, "max_norm": 0.0},
+                   tiny={"seqs": "64,128", "systems": "slidedp-recompute"})
     rows = []
     for system in select_systems(args.systems):
         for seq in (int(s) for s in args.seqs.split(",")):

@@ -6,7 +6,7 @@ same bytes (there is nothing to shard or reduce): run it on several.
     python -m recipes.reproduce.routes [--batches 8,16] [--routes sharded/gpu,replicated/gpu,...]
 """
 
-from recipes.reproduce.common import Column, Runner, parser, require_matplotlib, resolve, write_outputs
+from recipes.reproduce.common import BATCH, STEP, TOKENS, WORLD, Column, parser, start, write_outputs
 
 ROUTES = "sharded/gpu,replicated/gpu,sharded/cpu,replicated/cpu"
 
@@ -17,9 +17,7 @@ PAPER = ("4 x A800 with NVLink bridges, Qwen3-14B at 16 sequences per GPU: shard
          "and D2H traffic by the rank count R; sharded delivery with GPU reduction keeps them "
          "independent of R.")
 
-COLUMNS = [Column("route", "delivery/reduction"), Column("world", "GPUs"),
-           Column("local_batch", "seq/GPU"), Column("tokens_per_s", "tokens/s", "{:,.0f}"),
-           Column("step_time_s", "s/step", "{:.3f}"),
+COLUMNS = [Column("route", "delivery/reduction"), WORLD, BATCH, TOKENS, STEP,
            Column("vs_best", "step time / best route's", "{:.3f}"),
            Column("traffic_h2d_mb", "H2D MB/rank", "{:,.1f}"),
            Column("traffic_d2h_mb", "D2H MB/rank", "{:,.1f}"),
@@ -58,14 +56,13 @@ def plot(plt, rows: list[dict]):
 
 
 def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--batches", help="local batch sizes")
+    p = parser(__doc__, batches=True)
     p.add_argument("--routes", default=ROUTES, help="delivery/reduction list")
     p.add_argument("--activation", default="recompute", help="SlideDP's activation policy")
     args = p.parse_args()
-    resolve(args, gpu={"batches": "8,16"}, tiny={"batches": "1"})
-    require_matplotlib()
-    runner = Runner(args, experiment="routes")
+    runner = start(args, "routes",
+                   gpu={"batches": "8,16"},
+                   tiny={"batches": "1"})
     # The first route's reduction decides whether the host staging region exists: a CPU one
     # first, so every route can run in the same build.
     routes = sorted(args.routes.split(","), key=lambda r: not r.endswith("/cpu"))

@@ -8,18 +8,16 @@ Efficiency against the fewest GPUs n0 measured: strong = (t(n0) / t(n)) / (n / n
 step time; weak = (tokens/s(n) / n) / (tokens/s(n0) / n0).
 """
 
-from recipes.reproduce.common import (SYSTEMS, Column, Runner, parser, require_matplotlib,
-                                      resolve, select_systems, write_outputs)
+from recipes.reproduce.common import (BATCH, STEP, SYSTEM, TOKENS, WORLD, Column, parser,
+                                      select_systems, start, write_outputs)
 
 PAPER = ("weak scaling: Qwen3-32B at 64 sequences per GPU keeps 95-98% efficiency from 2 to 8 "
          "A800s. Strong scaling: Qwen3-14B at a global batch of 256 on A800s, 4 -> 8 GPUs: the "
          "matched compute reference goes from 27.2 to 14.4 s per step, SlideFormer stays near "
          "43 s, SlideDP goes from 29.6 to 15.3 s.")
 
-COLUMNS = [Column("scaling", "scaling"), Column("system", "system"), Column("world", "GPUs"),
-           Column("local_batch", "seq/GPU"), Column("global_batch", "global batch"),
-           Column("tokens_per_s", "tokens/s", "{:,.0f}"), Column("step_time_s", "s/step", "{:.3f}"),
-           Column("efficiency", "efficiency", "{:.1%}")]
+COLUMNS = [Column("scaling", "scaling"), SYSTEM, WORLD, BATCH, Column("global_batch", "global batch"),
+           TOKENS, STEP, Column("efficiency", "efficiency", "{:.1%}")]
 
 
 def gpu_counts(text: str, available: int) -> list[int]:
@@ -60,17 +58,15 @@ def plot(plt, rows: list[dict]):
 
 
 def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--systems", help=f"comma list of {', '.join(SYSTEMS)}")
+    p = parser(__doc__, systems="the systems")
     p.add_argument("--gpus", default="", help="GPU counts (default 1, 2, 4, ... up to all)")
     p.add_argument("--global-batch", type=int, help="strong scaling: sequences per step")
     p.add_argument("--local-batch", type=int, help="weak scaling: sequences per GPU")
     args = p.parse_args()
-    resolve(args, gpu={"systems": "slidedp-recompute,reference-full", "global_batch": 0,
-                       "local_batch": 16},
-            tiny={"systems": "slidedp-recompute", "global_batch": 2, "local_batch": 1})
-    require_matplotlib()
-    runner = Runner(args, experiment="scaling")
+    runner = start(args, "scaling",
+                   gpu={"systems": "slidedp-recompute,reference-full", "global_batch": 0,
+                        "local_batch": 16},
+                   tiny={"systems": "slidedp-recompute", "global_batch": 2, "local_batch": 1})
     counts = gpu_counts(args.gpus, runner.gpus or 2)
     global_batch = args.global_batch or args.local_batch * max(counts)
     bad = [n for n in counts if global_batch % n]
