@@ -86,8 +86,8 @@ class Training:
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the output head + cross-entropy (bounds the logits' memory)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
-    """Compute dtype of single and fsdp2 (slidedp computes in BF16); master weights and optimizer
-    state are always FP32."""
+    """Compute dtype of single and fsdp2 (slidedp and deepspeed compute in BF16); master weights
+    and optimizer state are always FP32."""
     init_on_meta: bool = False
     """Create weights on the meta device, init them in place after sharding (fast; fsdp2)."""
     nonfinite: Literal["stop_consecutive", "stop_total", "skip", "off"] = "stop_consecutive"
@@ -153,9 +153,9 @@ class DeepSpeed:
     torchrun would otherwise leave it OMP_NUM_THREADS=1)."""
     pin_memory: bool = True
     """Page-locked host buffers for the offloaded optimizer state (faster copies)."""
-    reduce_bucket_mib: int = 500
-    """Size of DeepSpeed's gradient reduce buckets (its reduce_bucket_size, in MiB of elements
-    x 1Mi)."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient reduce (and ZeRO-2 all-gather) bucket: DeepSpeed's
+    reduce_bucket_size, its default."""
     overlap_comm: bool = True
     """Overlap gradient reduction with backward (DeepSpeed's overlap_comm)."""
 
@@ -222,7 +222,7 @@ _BOUNDS: dict[str, tuple[Any, str]] = {
     "slidedp.keep_blocks": (lambda v: v >= 0, ">= 0"),
     "slidedp.cpu_threads": (lambda v: v >= 0, ">= 0"),
     "deepspeed.cpu_threads": (lambda v: v >= 0, ">= 0"),
-    "deepspeed.reduce_bucket_mib": (lambda v: v >= 1, ">= 1"),
+    "deepspeed.reduce_bucket_size": (lambda v: v >= 1, ">= 1"),
     "metrics.log_freq": (lambda v: v >= 1, ">= 1"),
 }
 

@@ -63,10 +63,10 @@ def deepspeed_config(config: JobConfig, *, world: int) -> dict[str, Any]:
         "offload_optimizer": {"device": "cpu", "pin_memory": ds.pin_memory},
         "overlap_comm": ds.overlap_comm,
         "contiguous_gradients": True,
-        "reduce_bucket_size": ds.reduce_bucket_mib * 2**20,
+        "reduce_bucket_size": ds.reduce_bucket_size,
     }
     if ds.zero_stage == 2:
-        zero["allgather_bucket_size"] = ds.reduce_bucket_mib * 2**20
+        zero["allgather_bucket_size"] = ds.reduce_bucket_size
     return {
         "train_micro_batch_size_per_gpu": training.local_batch_size,
         "gradient_accumulation_steps": training.grad_accum_steps,
