@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
-from typing import Callable, Iterator, Literal
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,8 +62,8 @@ from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Off
                                  WeightRefs, block_input, block_policies, describe_costs,
                                  measure_costs, offload_bytes)
 from slidedp.delivery import Delivery
-from slidedp.host_state import (HostStatePlan, SharedHostState, StepAborted, available_host_bytes,
-                                host_state_bytes)
+from slidedp.host_state import (Hold, HostStatePlan, SharedHostState, StepAborted,
+                                available_host_bytes, host_state_bytes, updates_deferred)
 from slidedp.layout import StateLayout, Unit, chunk_elems
 from slidedp.save_gate import SaveGate
 from slidedp.schedule import Use, plan_micro_batch
@@ -71,17 +71,10 @@ from slidedp.state_file import load_shards, read_master, save_shards
 from slidedp.streams import Streams
 from slidedp.traffic import Traffic
 from slidedp.update import AdamHyper, GradientReturn, HostOptimizer
-from slidedp.update_order import UPDATE_ORDERS, UpdateQueue
+from slidedp.update_order import UPDATE_ORDERS, UpdateOrderName, UpdateQueue
 
 
 PARALLEL_INIT_PARAMS = 1_000_000_000
-
-Hold = Literal["none", "device", "shadow", "grad_bf16", "grad_accum", "staging"]
-"""Where a step's returned gradients wait for their updates: nowhere (the cpu route's host sum
-feeds the update as it arrives), the reduced shard on the GPU, a host region (the BF16 shadow,
-the BF16 gradient buffer, the FP32 accumulation buffer), or the cpu route's staging copies,
-summed again at the update."""
-
 
 class _UpdateTail:
     """When the last update of a step ended, against the end of the step's GPU compute."""
@@ -111,15 +104,15 @@ class SlideDPBackend:
         self.rank, self.world = dp_rank, dp_world
         self.max_norm, self.loss_chunk = tr.max_norm, tr.loss_chunk_tokens
         self.guard = tr.nonfinite != "off"
-        # Updates wait for the step's global norm: to clip, or to skip a non-finite step.
-        self.deferred = tr.max_norm > 0 or self.guard
+        self.deferred = updates_deferred(max_norm=tr.max_norm, nonfinite=tr.nonfinite)
         self.layout = StateLayout(model_args, world=dp_world)
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
         needs = dict(grad_accum_steps=tr.grad_accum_steps, max_norm=tr.max_norm,
                      nonfinite=tr.nonfinite)
         plan = HostStatePlan.for_run(cfg, **needs)
-        # Without the shadow a deferred step's gradients would need a buffer of the same size.
-        self._shadow_saves = host_state_bytes(self.layout, plan) > host_state_bytes(
+        # Whether turning the shadow off saves host memory (not when a deferred step's gradients
+        # would then need a buffer of the same size).
+        self._shadow_off_saves = host_state_bytes(self.layout, plan) > host_state_bytes(
             self.layout, HostStatePlan.for_run(replace(cfg, bf16_shadow=False), **needs))
         self._check_host_memory(plan, offload_pool=None)
         # The policies' costs, measured on one block before anything big is allocated, size the
@@ -203,7 +196,8 @@ class SlideDPBackend:
         if reduction == "cpu" and not self.state.plan.cpu_staging:
             raise ValueError("reduction='cpu' needs the host staging region: start with "
                              "slidedp.reduction = 'cpu'")
-        self._hold(1, reduction)  # the route has a place for a step's gradients
+        # The route has a place for a step's gradients.
+        self.state.plan.hold(n_micro=1, reduction=reduction, deferred=self.deferred)
         self._drain()
         self.delivery = Delivery(self.state, self.streams, route=delivery, rank=self.rank,
                                  world=self.world, group=self._gather_group,
@@ -214,6 +208,11 @@ class SlideDPBackend:
                                           traffic=self.traffic,
                                           max_unit=max(u.padded for u in self.layout.units),
                                           threads=self.optimizer.threads)
+
+    def set_update_order(self, name: UpdateOrderName) -> None:
+        """Switch slidedp.update_order between steps (the bench compares the orders in one
+        build); the order changes timing only, so the updates still queued simply follow it."""
+        self._queue.order = UPDATE_ORDERS[name]
 
     def set_activation(self, *, default: str, blocks: str = "", keep_blocks: int = 0) -> None:
         """Set the per-block activation policies, as the [slidedp] keys `activation`,
@@ -280,7 +279,7 @@ class SlideDPBackend:
                   f"params ({state / n:.1f} B/param: {plan.describe()}){pool}; "
                   f"available {have / 2**30:.2f} GiB", flush=True)
         if need > have and self.cfg.check_host_memory:
-            shadow = "turn off slidedp.bf16_shadow, " if self._shadow_saves else ""
+            shadow = "turn off slidedp.bf16_shadow, " if self._shadow_off_saves else ""
             raise MemoryError(f"SlideDP needs {need / 2**30:.2f} GiB of host memory but only "
                               f"{have / 2**30:.2f} GiB is available (offload fewer activations, "
                               f"{shadow}use a smaller model, or set slidedp.check_host_memory = "
@@ -532,7 +531,9 @@ class SlideDPBackend:
         if self.state.aborted.is_set():
             raise RuntimeError("SlideDP: an earlier step failed on this rank; its host state is "
                                "mid-update, so restart from the last checkpoint")
-        hold = self._hold(len(micro_batches), self.grad_return.route)  # refused before any work
+        # Refused before any work if the host state has no place for the step's gradients.
+        hold = self.state.plan.hold(n_micro=len(micro_batches), reduction=self.grad_return.route,
+                                    deferred=self.deferred)
         try:
             return self._train_step(micro_batches, hold=hold, lr=lr,
                                     global_target_tokens=global_target_tokens)
@@ -542,29 +543,6 @@ class SlideDPBackend:
             if isinstance(e, StepAborted) and cause is not None:
                 raise cause  # a job of the update thread failed and stopped the waits
             raise
-
-    def _hold(self, n_micro: int, reduction: str) -> Hold:
-        """Where a step of `n_micro` micro-batches on the `reduction` route keeps its gradients
-        until their updates (raises if this run's host state has no place for them)."""
-        regions = self.state.regions
-        if n_micro > 1:
-            if "grad_accum" not in regions:
-                raise ValueError(f"SlideDP: {n_micro} micro-batches per step need the FP32 "
-                                 "accumulation buffer: start with training.grad_accum_steps > 1")
-            return "grad_accum"
-        if reduction == "cpu":
-            return "staging" if self.deferred else "none"
-        # BF16 as reduced; the shadow's unit is not read again before the unit's update.
-        for region in ("shadow", "grad_bf16"):
-            if region in regions:
-                return region
-        if not self.deferred:
-            return "device"
-        if "grad_accum" in regions:
-            return "grad_accum"
-        raise ValueError("SlideDP: updates that wait for the step's norm need a host gradient "
-                         "buffer on reduction='gpu': start with slidedp.reduction = 'gpu' or "
-                         "with slidedp.bf16_shadow")
 
     def _failed_job(self) -> BaseException | None:
         """The first error of an update-thread job, other than the stops it caused."""

@@ -38,6 +38,19 @@ from slidedp.streams import register_host, unregister_host
 _CONTROL_FIELDS = ("version", "ready", "consumed")
 
 
+Hold = Literal["none", "device", "shadow", "grad_bf16", "grad_accum", "staging"]
+"""Where a step's returned gradients wait for their updates: nowhere (the cpu route's host sum
+feeds the update as it arrives), the reduced shard on the GPU, a host region (the BF16 shadow,
+the BF16 gradient buffer, the FP32 accumulation buffer), or the cpu route's staging copies,
+summed again at the update."""
+
+
+def updates_deferred(*, max_norm: float, nonfinite: str) -> bool:
+    """The updates wait for the step's global norm: to clip, or to skip a non-finite step (the
+    guard, unless training.nonfinite = "off")."""
+    return max_norm > 0 or nonfinite != "off"
+
+
 class StepAborted(RuntimeError):
     """A runtime job stopped waiting because the step it served failed on this rank."""
 
@@ -64,12 +77,35 @@ class HostStatePlan:
         the step's global norm (clipping, or the non-finite guard unless training.nonfinite =
         "off"): in the shadow, whose unit is not read again before its update; without one in
         its own BF16 region; on the cpu route in the staging copies, summed again at the update."""
-        deferred = max_norm > 0 or nonfinite != "off"
+        deferred = updates_deferred(max_norm=max_norm, nonfinite=nonfinite)
         accumulate = grad_accum_steps > 1
         return cls(bf16_shadow=cfg.bf16_shadow,
                    grad_bf16=(deferred and not accumulate and not cfg.bf16_shadow
                               and cfg.reduction == "gpu"),
                    grad_accum=accumulate, cpu_staging=cfg.reduction == "cpu")
+
+    def hold(self, *, n_micro: int, reduction: str, deferred: bool) -> "Hold":
+        """Where a step of `n_micro` micro-batches on the `reduction` route keeps its gradients
+        until their updates (raises if these regions have no place for them)."""
+        if n_micro > 1:
+            if not self.grad_accum:
+                raise ValueError(f"SlideDP: {n_micro} micro-batches per step need the FP32 "
+                                 "accumulation buffer: start with training.grad_accum_steps > 1")
+            return "grad_accum"
+        if reduction == "cpu":
+            return "staging" if deferred else "none"
+        # BF16 as reduced; the shadow's unit is not read again before the unit's update.
+        if self.bf16_shadow:
+            return "shadow"
+        if self.grad_bf16:
+            return "grad_bf16"
+        if not deferred:
+            return "device"
+        if self.grad_accum:
+            return "grad_accum"
+        raise ValueError("SlideDP: updates that wait for the step's norm need a host gradient "
+                         "buffer on reduction='gpu': start with slidedp.reduction = 'gpu' or "
+                         "with slidedp.bf16_shadow")
 
     def describe(self) -> str:
         """The optional regions, as the start-up report names them."""

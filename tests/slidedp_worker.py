@@ -62,6 +62,18 @@ def slow_down_updates(backend, delay: float, log: list | None = None) -> None:
     backend.optimizer.update = slow
 
 
+def mapped_host_state_bytes() -> int:
+    """The bytes of SlideDP's shared host state that this process maps, as the kernel lists
+    them (/proc/self/maps), so a test can check the byte formula against what was allocated."""
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:slidedp-host-state" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                total += hi - lo
+    return total
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variants", required=True, help="JSON list of {slidedp field: value}")
@@ -96,8 +108,10 @@ def main() -> None:
         cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm, kernels=a.kernels,
                           batch=a.batch, seq=a.seq)
         backend = SlideDPBackend(cfg, args, device=device, dp_rank=rank, dp_world=world)
+        mapped = mapped_host_state_bytes()
+        updates: list = []
         if delay:
-            slow_down_updates(backend, delay)
+            slow_down_updates(backend, delay, updates)
         # What the start-up measurement predicts the activation offload moves per step.
         predicted = a.accum * sum(backend.activation_costs[p].host.at(a.batch, a.seq)
                                   for p in backend.policies) / 2**20
@@ -118,7 +132,9 @@ def main() -> None:
         if rank == 0:
             torch.save(weights, os.path.join(a.out, f"weights_{i}.pt"))
             results.append({"variant": variant, "losses": losses, "grad_norms": norms,
-                            "counters": counters, "predicted_offload_mb": predicted})
+                            "counters": counters, "predicted_offload_mb": predicted,
+                            "host_mapped_bytes": mapped,
+                            "updated_units": [unit for unit, _, _ in updates]})
     if rank == 0:
         with open(os.path.join(a.out, "results.json"), "w") as f:
             json.dump(results, f)

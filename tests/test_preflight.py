@@ -261,6 +261,24 @@ def test_qwen3_8b_with_clipping_fits_the_one_h200_host():
                           total=H200_HOST_TOTAL)
 
 
+def test_estimate_counts_the_reduced_gradients_held_on_the_device():
+    """Without the shadow and with updates during backward (12 B/param of host memory), each
+    reduced gradient waits for its update on the GPU: the estimate counts one step's, 2/R
+    B/param, where activations are freed; a deferred or shadowed run holds them on the host."""
+    args = FLAVORS["qwen3-8B"]
+    for world in (1, 2):
+        held = gpu_config("slidedp", batch=1, bf16_shadow=False)
+        held.training.max_norm, held.training.nonfinite = 0.0, "off"
+        assert estimate_device_memory(held, args, world=world).gradients == pytest.approx(
+            2 * args.num_params() / world, rel=0.01)
+        for shadow, max_norm in ((True, 0.0), (False, 1.0)):
+            config = gpu_config("slidedp", batch=1, bf16_shadow=shadow)
+            config.training.max_norm, config.training.nonfinite = max_norm, "off"
+            assert estimate_device_memory(config, args, world=world).gradients == 0
+    held.training.grad_accum_steps = 2  # the FP32 sum on the host
+    assert estimate_device_memory(held, args, world=1).gradients == 0
+
+
 def test_host_memory_refused_with_the_numbers():
     config, args = gpu_config("slidedp", batch=1), FLAVORS["qwen2.5-72B"]
     with pytest.raises(ConfigError, match=r"slidedp: the host state needs .* GiB .*MemAvailable"):

@@ -131,23 +131,26 @@ for stage in "$@"; do
                       --max-norm 0 --no-memory-check --points recompute:16 ;;
     long4b) long_context qwen3-4B ;;
     long8b) long_context qwen3-8B ;;
-    # Qwen3-8B with clipping at the default max_norm 1.0 on the one-H200 machine (128 GiB of
-    # RAM): the host state is 14 B/param, 106.8 GiB (an FP32 gradient buffer made it 137), and
-    # the start-up check is on (no --no-memory-check). The rows' peak_rss_gib is the host memory
-    # used. Then the same without the shadow (FP32 delivery, cast on the GPU; also 14 B/param).
-    clip8b) timeout 400 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 \
-              --points recompute:16 keep:2 --label clip1
-            timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 \
-              --no-shadow --points recompute:16 --label clip1-noshadow ;;
-    # The small-batch tail: Qwen3-4B, keep, 1-4 sequences, no clipping. "arrival" runs the host
-    # updates as the gradients came home, so the next forward waits for the whole queue (the
-    # embedding's update is last: the order before slidedp.update_order); "next_use" runs what
-    # backward left embedding first, so the next forward overlaps it. Rows: step time,
-    # update_tail_s (end of compute to last update), update_wait_s, host_delivery_wait_s.
-    tail4b) for order in arrival next_use; do
-              timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0 \
-                --no-memory-check --points keep:1,2,4 --update-order "$order" --label "tail-$order"
-            done ;;
+    # Qwen3-8B with clipping at the default max_norm 1.0 (no accumulation) on the one-H200
+    # machine (128 GiB of RAM): the host state is 14 B/param, 106.8 GiB, where an FP32 gradient
+    # buffer made it 18 (137 GiB); with the shadow (also 14 without it, which doubles the H2D
+    # bytes). The start-up check is on (no --no-memory-check): the "[slidedp] host state" line
+    # prints the B/param and MemAvailable, each row has host_state_bytes_per_param and
+    # peak_rss_gib. 16 sequences: the first 14 blocks keep their MLP (replaying the attention
+    # half), the others selective; if that runs out of GPU memory, selective alone.
+    clip8b) timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 \
+              --activation-blocks "0-13:segments(mlp_up+down_proj)" --points selective:16 --label clip1-mlp14 \
+            || timeout 240 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 \
+                 --points selective:16 --label clip1-selective ;;
+    # The small-batch tail: Qwen3-4B, keep, 1 and 2 sequences, no clipping, each point in both
+    # update orders in one build. "arrival" runs the host updates as the gradients came home, so
+    # the embedding's, which the next forward needs first, runs last (the order before
+    # slidedp.update_order); "next_use" runs what backward left embedding first, so the next
+    # forward overlaps it. Rows: update_order, step_time_s, update_tail_s (end of a step's compute
+    # to its last update), update_wait_s, host_delivery_wait_s (the forward's waits for
+    # deliveries, version gates included).
+    tail4b) timeout 240 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0 \
+              --no-memory-check --points keep:1,2 --update-order arrival,next_use --steps 3 --label tail ;;
     # FSDP2 with torchtitan's op-level selective checkpointing, and with CPUOffloadPolicy (the
     # sharded FP32 state in host memory, AdamW on the CPU after backward: 8B fits one H200 then).
     sac4b) run --mode fsdp2 --ac selective --batches 2,4,8 --kernels liger --flavor qwen3-4B ;;

@@ -41,6 +41,7 @@ from recipes.baselines.activation_checkpoint import apply_activation_checkpointi
 from recipes.parallelize import build_backend, build_kernels
 from recipes.preflight import check_mode_options, check_seq_len
 from recipes.train import SyntheticBatches, process_group_backend
+from slidedp.update_order import UPDATE_ORDERS
 
 
 class _Reference:
@@ -96,7 +97,8 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.slidedp.activation, cfg.slidedp.keep_blocks = a.activation, a.keep_blocks
     cfg.slidedp.activation_blocks = a.activation_blocks
     cfg.slidedp.window_slots, cfg.slidedp.chunk_mib = a.slots, a.chunk_mib
-    cfg.slidedp.bf16_shadow, cfg.slidedp.update_order = not a.no_shadow, a.update_order
+    cfg.slidedp.bf16_shadow = not a.no_shadow
+    cfg.slidedp.update_order = a.update_order.split(",")[0]
     cfg.slidedp.check_host_memory = not a.no_memory_check
     return cfg
 
@@ -145,8 +147,9 @@ def main() -> None:
     p.add_argument("--no-shadow", action="store_true",
                    help="slidedp: no BF16 shadow (slidedp.bf16_shadow = false: FP32 delivery, "
                         "cast on the GPU)")
-    p.add_argument("--update-order", default="next_use", choices=("next_use", "arrival"),
-                   help="slidedp.update_order")
+    p.add_argument("--update-order", default="next_use",
+                   help="slidedp: list of slidedp.update_order values (next_use, arrival), each "
+                        "point run in each, one after the other, in the same build")
     p.add_argument("--no-memory-check", action="store_true",
                    help="slidedp: skip the MemAvailable check (VMs whose memory grows on demand)")
     p.add_argument("--warmup", type=int, default=1)
@@ -169,6 +172,8 @@ def main() -> None:
         check_mode_options(_config(a, "sharded/gpu"))  # e.g. deepspeed not installed
         if a.mode == "deepspeed" and "," in a.accum:
             raise ConfigError("--accum: deepspeed takes one micro-batch count per build")
+        if set(a.update_order.split(",")) - set(UPDATE_ORDERS):
+            raise ConfigError(f"--update-order: each one of {', '.join(UPDATE_ORDERS)}")
     except ConfigError as e:
         p.error(str(e))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -192,13 +197,16 @@ def main() -> None:
         print(f"[bench] {a.mode} {a.flavor} built in {time.perf_counter() - t0:.1f}s; "
               f"{kernels.describe()} -> {attention_op}", flush=True)
     specs = a.points or [f"{a.activation}:{a.batches}"]
-    points = [(policy, int(b), int(n)) for spec in specs for policy, batches in [spec.split(":")]
-              for b in batches.split(",") for n in a.accum.split(",")]
+    orders = a.update_order.split(",") if a.mode == "slidedp" else [None]
+    points = [(policy, int(b), int(n), order) for spec in specs
+              for policy, batches in [spec.split(":")] for b in batches.split(",")
+              for n in a.accum.split(",") for order in orders]
     for route in routes:
         if a.mode == "slidedp":
             backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
-        for policy, batch, accum in points:
+        for policy, batch, accum, order in points:
             if a.mode == "slidedp":
+                backend.set_update_order(order)
                 backend.set_activation(default=policy, blocks=a.activation_blocks,
                                        keep_blocks=a.keep_blocks)
             if device.type == "cuda":
@@ -244,7 +252,9 @@ def main() -> None:
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
                    "activation_blocks": a.activation_blocks if a.mode == "slidedp" else None,
                    "bf16_shadow": not a.no_shadow if a.mode == "slidedp" else None,
-                   "update_order": a.update_order if a.mode == "slidedp" else None,
+                   "update_order": order,
+                   **({"host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
+                      if a.mode == "slidedp" else {}),
                    **({"fsdp_cpu_offload": a.fsdp_cpu_offload} if a.mode == "fsdp2" else {}),
                    **({"zero_stage": a.zero_stage} if a.mode == "deepspeed" else {}),
                    "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
