@@ -243,3 +243,17 @@ def test_bad_block_entries_are_one_line_naming_the_key(blocks, words):
     with pytest.raises(ValueError) as info:
         block_policies(4, default="recompute", blocks=blocks)
     assert str(info.value).startswith("slidedp.activation_blocks: ") and words in str(info.value)
+
+
+def test_fused_sdpa_flops_count_grouped_query_attention_as_broadcast():
+    """torch before 2.13 asserts on k/v with fewer heads than q (CUDA's fused SDPA ops with
+    enable_gqa); the cost probe's formulas count them as if k/v were broadcast."""
+    from torch.utils import flop_counter
+
+    from slidedp.activations.cost import GQA_SDPA_FLOPS
+    q, kv = torch.Size((2, 8, 128, 64)), torch.Size((2, 2, 128, 64))
+    forward = GQA_SDPA_FLOPS[torch.ops.aten._scaled_dot_product_cudnn_attention]
+    backward = GQA_SDPA_FLOPS[torch.ops.aten._scaled_dot_product_flash_attention_backward]
+    assert forward(q, kv, kv, None, True) == flop_counter.sdpa_flop_count(q, q, q) == 4 * 2 * 8 * 128 * 128 * 64
+    assert backward(q, q, kv, kv, None) == flop_counter.sdpa_backward_flop_count(q, q, q, q)
+    assert backward(q, q, kv, kv) > forward(q, kv, kv)

@@ -5,6 +5,9 @@
 #         ncclctas reftrace recompute cpu16 clip clip1 slidedpmax refmax fsdp2same peak fsdp2_14 slidedp14
 #         fused-kernel stages (one H200, both [model] kernels side by side):
 #         kgputest attn actbytes ref4b ref8b refliger fsdp4b slidedp4b same4b slidedp8b slidedp8bplain
+#         hf (Hugging Face's Qwen3 + liger next to our reference, the fused-kernels targets)
+#         policies4b policies4bmore policies4bslidedp (Qwen3-4B: both references and FSDP2 over its checkpointing;
+#         SlideDP's policies)
 #         long context: long4b long8b (one 262,144-token sequence, YaRN x8 over 32,768)
 #         host memory and the update order (one H200): clip8b tail4b
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b
@@ -129,6 +132,31 @@ for stage in "$@"; do
                  --no-memory-check --points recompute:16 keep:1,2,3 ;;
     slidedp8bplain) timeout 200 "${bench[@]}" --mode slidedp --kernels torch --flavor qwen3-8B \
                       --max-norm 0 --no-memory-check --points recompute:16 ;;
+    # The fused-kernels targets were set by HF + liger in another lease: measure it beside ours.
+    hf) hf=(python3 -m recipes.bench.hf_reference --liger --out "$out/runs.jsonl")
+        "${hf[@]}" --flavor qwen3-4B --batches 4
+        run --mode reference --ac none --batches 4 --kernels liger --flavor qwen3-4B
+        "${hf[@]}" --flavor qwen3-8B --batches 3
+        run --mode reference --ac none --batches 3 --kernels liger --flavor qwen3-8B ;;
+    # Elastic Checkpointing on one H200, one lease: the references, FSDP2's peak over its
+    # checkpointing options, and SlideDP's hand-picked policies from 4 to 32 sequences (a kept
+    # sequence of Qwen3-4B is 14.5 GiB on the fused kernels: past 7, part of it is offloaded or
+    # some blocks replay). Each SlideDP build may run out of memory at its last point.
+    policies4b)
+      run --mode reference --ac none --batches 4,6,8 --kernels liger --flavor qwen3-4B
+      run --mode reference --ac full --batches 16 --kernels liger --flavor qwen3-4B
+      run --mode fsdp2 --ac none --batches 3,4,5 --kernels liger --flavor qwen3-4B
+      run --mode fsdp2 --ac selective --batches 4,8 --kernels liger --flavor qwen3-4B
+      run --mode fsdp2 --ac full --batches 16 --kernels liger --flavor qwen3-4B ;;
+    policies4bmore)  # the rest of FSDP2's batches (selective's largest that fit come last)
+      run --mode fsdp2 --ac none --batches 1,2 --kernels liger --flavor qwen3-4B
+      run --mode fsdp2 --ac full --batches 32 --kernels liger --flavor qwen3-4B
+      run --mode fsdp2 --ac selective --batches 12,16 --kernels liger --flavor qwen3-4B ;;
+    policies4bslidedp)
+      sd=(timeout 170 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0)
+      "${sd[@]}" --points keep:1,6 keep@offload=0.1:8 keep@offload=0.3:10
+      "${sd[@]}" --points selective:16,32 recompute:32 "segments(qkv+attention_core+o_proj+mlp_up+down_proj):8"
+      "${sd[@]}" --activation-blocks "0-15:keep" --label keep0-15 --points recompute:16 selective:16 ;;
     long4b) long_context qwen3-4B ;;
     long8b) long_context qwen3-8B ;;
     # Qwen3-8B with clipping at the default max_norm 1.0 (no accumulation) on the one-H200

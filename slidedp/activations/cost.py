@@ -22,6 +22,7 @@ from typing import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from models.activation_memory import SavedStorages
@@ -100,6 +101,31 @@ class _OutputsOf(TorchDispatchMode):
         return out
 
 
+def _widen(q: torch.Size, kv: torch.Size) -> tuple[int, ...]:
+    return (kv[0], q[1], *kv[2:])
+
+
+def _gqa_sdpa_forward(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(q, _widen(q, k), _widen(q, v))
+
+
+def _gqa_sdpa_backward(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out, q, _widen(q, k), _widen(q, v))
+
+
+_aten = torch.ops.aten
+GQA_SDPA_FLOPS = {
+    **dict.fromkeys((_aten._scaled_dot_product_cudnn_attention,
+                     _aten._scaled_dot_product_flash_attention,
+                     _aten._scaled_dot_product_efficient_attention), _gqa_sdpa_forward),
+    **dict.fromkeys((_aten._scaled_dot_product_cudnn_attention_backward,
+                     _aten._scaled_dot_product_flash_attention_backward,
+                     _aten._scaled_dot_product_efficient_attention_backward), _gqa_sdpa_backward)}
+"""FlopCounterMode formulas for the fused SDPA ops with grouped-query attention: torch before
+2.13 asserts that k and v have the query's heads (with enable_gqa they have fewer); the kernels
+broadcast them, so count them widened, as torch 2.13 does."""
+
+
 @dataclass(frozen=True)
 class _Probe:
     hooked: int
@@ -118,9 +144,9 @@ def _probe(policy: ActivationPolicy, block: TransformerBlock, args: QwenArgs,
     h = torch.randn(batch, seq, args.dim, device=device, dtype=torch.bfloat16)
     grads: list[torch.Tensor] = []
     with (SavedStorages(exclude=weights.values()) as saved, _OutputsOf(policy.cached_ops) as sac,
-          FlopCounterMode(display=False) as forward):
+          FlopCounterMode(display=False, custom_mapping=GQA_SDPA_FLOPS) as forward):
         out = policy.forward(BlockSegments(block), block_input(h, grads), weights, rope)
-    with FlopCounterMode(display=False) as backward:
+    with FlopCounterMode(display=False, custom_mapping=GQA_SDPA_FLOPS) as backward:
         out.backward(torch.ones_like(out))
     for w in weights.values():
         w.grad = None
