@@ -284,6 +284,8 @@ def system_name(row: dict) -> str:
         name += " cpu-offload"
     if row.get("zero_stage"):
         name += f" ZeRO-{row['zero_stage']}"
+    if row.get("update_order") == "arrival":  # not the default slidedp.update_order
+        name += " arrival"
     return name + (f" {row['label']}" if row.get("label") else "")
 
 
