@@ -27,8 +27,12 @@ for BF16, 4 for FP32):
     slidedp  resident: BF16 buffers (slidedp.window_slots block slots + embedding + head), the
              gradients in flight during backward (SLIDEDP_GRAD_COPIES copies of
              SLIDEDP_GRAD_BLOCKS blocks and of the head; the embedding's comes last, when the
-             activations are gone) and the reduce-scatter receive buffer (largest unit / R);
-             gradients: 0 (they go to the host as they come)
+             activations are gone), the reduce-scatter receive buffer (largest unit / R) and,
+             without slidedp.bf16_shadow, the FP32 chunk that delivery casts on the device;
+             gradients: 0 (they go to the host as they come), except where the reduced shards
+             wait on the device for their updates (no shadow, no clipping, guard off, one
+             micro-batch, gpu route: slidedp.host_state.HostStatePlan.hold), one step's: 2/R
+             B/param
 
 activations: tokens per micro-batch (local_batch_size x seq_len) x (the sum over blocks of the
 bytes per token of each block's policy + the one block a recompute policy rebuilds in backward +
@@ -60,7 +64,8 @@ from typing import Literal
 
 from models.args import QwenArgs
 from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policies
-from slidedp.layout import StateLayout
+from slidedp.host_state import HostStatePlan, updates_deferred
+from slidedp.layout import StateLayout, chunk_elems
 
 Kernel = Literal["liger", "torch"]
 """What models/kernels.py resolves [model] kernels to."""
@@ -225,7 +230,17 @@ def _resident_and_gradients(config, args: QwenArgs, *, world: int,
     grads = SLIDEDP_GRAD_COPIES * (SLIDEDP_GRAD_BLOCKS * layout.block_padded
                                    + layout.head.padded) * 2
     receive = max(u.padded for u in layout.units) // world * 2
-    return buffers + grads + receive, 0
+    cast = 0 if config.slidedp.bf16_shadow else chunk_elems(config.slidedp.chunk_mib) * 4
+    training = config.training
+    deferred = updates_deferred(max_norm=training.max_norm, nonfinite=training.nonfinite)
+    plan = HostStatePlan.for_run(config.slidedp, grad_accum_steps=training.grad_accum_steps,
+                                 max_norm=training.max_norm, nonfinite=training.nonfinite)
+    hold = plan.hold(n_micro=training.grad_accum_steps, reduction=config.slidedp.reduction,
+                     deferred=deferred)
+    # Held on the device, the reduced shards of a step wait there for their updates: at most
+    # all of them (a unit's next gradient comes after its update), while activations are freed.
+    waiting = layout.total // world * 2 if hold == "device" else 0
+    return buffers + grads + receive + cast, waiting
 
 
 def estimate_device_memory(config, args: QwenArgs, *, world: int,

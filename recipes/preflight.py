@@ -15,7 +15,7 @@ import importlib.util
 import math
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,21 @@ def check_device_memory(config: JobConfig, args: QwenArgs, *, world: int, capaci
                       f"{_gib(capacity)}: {advice}")
 
 
+def slidedp_host_bytes(config: JobConfig, args: QwenArgs, *, world: int,
+                       bf16_shadow: bool | None = None) -> int:
+    """The exact bytes of SlideDP's shared host state for `config` (with `bf16_shadow` instead
+    of slidedp.bf16_shadow if given): the regions HostStatePlan.for_run picks."""
+    from slidedp.host_state import HostStatePlan, host_state_bytes
+    from slidedp.layout import StateLayout
+
+    training, cfg = config.training, config.slidedp
+    if bf16_shadow is not None:
+        cfg = replace(cfg, bf16_shadow=bf16_shadow)
+    plan = HostStatePlan.for_run(cfg, grad_accum_steps=training.grad_accum_steps,
+                                 max_norm=training.max_norm, nonfinite=training.nonfinite)
+    return host_state_bytes(StateLayout(args, world=world), plan)
+
+
 def check_host_memory(config: JobConfig, args: QwenArgs, *, world: int, on_cpu: bool,
                       available: int, total: int) -> None:
     """SlideDP's shared host state (exact) against `available` bytes (MemAvailable, unless
@@ -187,21 +202,18 @@ def check_host_memory(config: JobConfig, args: QwenArgs, *, world: int, on_cpu: 
     the shared state, the FP32 model that single, fsdp2 and deepspeed build on the CPU first,
     the state that FSDP2's CPU offload and DeepSpeed's optimizer offload keep there, and on the
     CPU the devices' estimate) against `total` bytes (MemTotal)."""
-    from slidedp.host_state import HostStatePlan, host_state_bytes
-    from slidedp.layout import StateLayout
-
     training, shared = config.training, 0
-    if config.parallelism.mode == "slidedp":
-        plan = HostStatePlan.for_run(config.slidedp, grad_accum_steps=training.grad_accum_steps,
-                                     max_norm=training.max_norm, nonfinite=training.nonfinite)
-        shared = host_state_bytes(StateLayout(args, world=world), plan)
-        if shared > available and config.slidedp.check_host_memory:
-            raise ConfigError(f"slidedp: the host state needs {_gib(shared)} "
-                              f"({shared / args.num_params():.1f} B/param), MemAvailable is "
-                              f"{_gib(available)}: set slidedp.bf16_shadow = false (2 B/param), "
-                              "use a smaller model, or set slidedp.check_host_memory = false on "
-                              "machines whose memory grows on demand")
     n, mode = args.num_params(), config.parallelism.mode
+    if mode == "slidedp":
+        shared = slidedp_host_bytes(config, args, world=world)
+        if shared > available and config.slidedp.check_host_memory:
+            without = slidedp_host_bytes(config, args, world=world, bf16_shadow=False)
+            shadow = (f"set slidedp.bf16_shadow = false ({without / n:.1f} B/param), "
+                      if without < shared else "")
+            raise ConfigError(f"slidedp: the host state needs {_gib(shared)} "
+                              f"({shared / n:.1f} B/param), MemAvailable is {_gib(available)}: "
+                              f"{shadow}use a smaller model, or set slidedp.check_host_memory = "
+                              "false on machines whose memory grows on demand")
     if on_cpu:
         per_rank = estimate_device_memory(config, args, world=world).total
     elif mode != "slidedp" and not training.init_on_meta:

@@ -5,6 +5,7 @@
   host_state.py   the shared-memory FP32 master + Adam moments (+ BF16 shadow)
   delivery.py     host->GPU parameter routes (replicated | sharded)
   update.py       GPU->host gradient routes (gpu | cpu reduction) and the CPU AdamW
+  update_order.py which returned gradient's update runs next (one place decides the order)
   collectives.py  the routes' all-gather / reduce-scatter under this torch's names
   cpu_adam.py     the C++ fused AdamW and gradient-sum kernels (csrc/), torch fallback
   schedule.py     the plan as plain data: which unit uses which GPU buffer, which deliveries,

@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from typing import Literal
 
+from slidedp.update_order import UpdateOrderName
+
 DeliveryRoute = Literal["replicated", "sharded"]
 """Host->GPU parameter routes (slidedp/delivery.py)."""
 ReductionRoute = Literal["gpu", "cpu"]
@@ -35,9 +37,14 @@ class SlideDPConfig:
     """Shorthand: the first N blocks keep (before activation_blocks applies)."""
     cpu_threads: int = 0
     """CPU Adam threads per rank; 0 = this rank's share of the host's cores."""
+    update_order: UpdateOrderName = "next_use"
+    """Which returned gradient's update runs first: "next_use" (the unit the next step needs
+    first, so its forward overlaps the updates backward left) or "arrival" (as they came home)."""
     bf16_shadow: bool = True
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
-    so delivery is a plain copy (2 bytes/param more host memory, half the cast work)."""
+    as the delivery source (half the H2D bytes; without it the FP32 master is copied and cast on
+    the GPU). 2 bytes/param of host memory, none more than without it when updates wait for the
+    step's norm: it then also holds the returned gradients."""
     check_host_memory: bool = True
     """Refuse to start when the host state and the ranks' activation offload pools exceed
     MemAvailable (off for VMs whose memory grows on demand and under-reports at start)."""

@@ -158,7 +158,10 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     param/exp_avg/exp_avg_sq: 1-D contiguous float32 CPU tensors (views into bigger buffers are fine);
     grad: bf16 or float32, same length, used as grad * grad_scale. adamw=False is Adam with L2 weight
     decay. step counts from 1 (after the increment). bf16_out, when given, receives the updated
-    params rounded to bf16 (round-to-nearest-even). num_threads defaults to `default_num_threads()`.
+    params rounded to bf16 (round-to-nearest-even); it may be the very memory of a bf16 grad (each
+    element's gradient is read before its output is written: SlideDP's shadow holds the gradient
+    until the update overwrites it with the weights). num_threads defaults to
+    `default_num_threads()`.
     """
     n = param.numel()
     _check("param", param, (torch.float32,), n)

@@ -4,25 +4,36 @@ Three threads per rank:
   compute (the caller)  forward/backward block by block through the GPU window;
   delivery              version gate -> host->GPU copy (+ all-gather) into a free buffer, ahead
                         of use (one job per planned delivery, in use order);
-  update                gradient reduce + return -> host accumulation -> CPU AdamW on the rank's
-                        shard, chunk by chunk, overlapped with backward of earlier blocks.
+  update                gradient returns (reduce + copy home, in the order backward hands them
+                        over), then CPU AdamW on the rank's shard, chunk by chunk, one unit at a
+                        time in the order slidedp/update_order.py picks; overlapped with backward
+                        of earlier blocks and with the next step's forward.
 Handshakes are futures carrying CUDA events, so waits happen on the device wherever possible.
 The plan of a micro-batch (slidedp/schedule.py) is plain data; the futures of its uses live here.
 Each block runs under its activation policy (slidedp/activations/: keep, recompute, segment
 masks, op-level saves, offload to host), an object the compute thread calls.
 Each step reports its bytes moved and where the threads' time went (`host_*_s`: version-gate
-waits, delivery issue, gradient return + update, clipped updates, the compute thread's waits for
-deliveries) next to `update_tail_s`, the update time backward did not hide.
+waits, delivery issue, gradient returns, updates, clipped updates, the compute thread's waits for
+deliveries), `update_wait_s` (what the step waited for its returns after its GPU compute) and
+`update_tail_s` (how long after a step's GPU compute its last update ended, reported when known).
+
+train_step returns once the step's gradients are home and its norm is known; the updates go on
+while the next step starts, whose deliveries wait at the version gates for their own unit's
+update only (docs/DESIGN.md §5.6). Where each returned gradient waits for its update (`Hold`):
+with one micro-batch it is BF16 as reduced, so it waits as BF16 (the shadow, whose unit is not
+read again before its update; without a shadow the BF16 gradient buffer when updates are deferred,
+or the GPU); accumulated micro-batches are summed in the FP32 buffer.
 A step that fails on the compute thread (out of memory, a bad batch, Ctrl-C) first fails the jobs
 waiting on it, so the error reaches the caller and the process can exit.
 
 Non-finite guard (training.nonfinite != "off"): whether a step's loss and gradient are finite is
 known only from the global norm, after backward, so with the guard on every update waits for it
-as clipped ones do (the gradient waits in the FP32 host buffer, +4 B/param, and the updates
-overlap the next step's forward instead of this step's backward: about 0.03 s per step on
-2xH200 with Qwen3-8B, docs/PERFORMANCE.md). A step whose global norm or loss is not finite
-updates nothing: it only opens its version gates. With the guard off and no clipping, updates
-run during backward, unit by unit, as soon as each gradient is home.
+as clipped ones do (the gradients wait on the host, in the shadow or +2 B/param without one, and
+the updates overlap the next step's forward instead of this step's backward: about 0.03 s per
+step on 2xH200 with Qwen3-8B, docs/PERFORMANCE.md). A step whose global norm or loss is not
+finite updates nothing: it only restores the shadow that held its gradients and opens its version
+gates. With the guard off and no clipping, updates run during backward, unit by unit, as soon as
+each gradient is home, and what backward leaves over runs in the next step's order.
 """
 
 import contextlib
@@ -30,7 +41,10 @@ import math
 import os
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -48,18 +62,32 @@ from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Off
                                  WeightRefs, block_input, block_policies, describe_costs,
                                  measure_costs, offload_bytes)
 from slidedp.delivery import Delivery
-from slidedp.host_state import (HostStatePlan, SharedHostState, StepAborted, available_host_bytes,
-                                host_state_bytes)
-from slidedp.layout import SHARD_ALIGN, StateLayout, Unit
+from slidedp.host_state import (Hold, HostStatePlan, SharedHostState, StepAborted,
+                                available_host_bytes, host_state_bytes, updates_deferred)
+from slidedp.layout import StateLayout, Unit, chunk_elems
 from slidedp.save_gate import SaveGate
 from slidedp.schedule import Use, plan_micro_batch
 from slidedp.state_file import load_shards, read_master, save_shards
 from slidedp.streams import Streams
 from slidedp.traffic import Traffic
 from slidedp.update import AdamHyper, GradientReturn, HostOptimizer
+from slidedp.update_order import UPDATE_ORDERS, UpdateOrderName, UpdateQueue
 
 
 PARALLEL_INIT_PARAMS = 1_000_000_000
+
+class _UpdateTail:
+    """When the last update of a step ended, against the end of the step's GPU compute."""
+
+    def __init__(self, units: int):
+        self.left = units  # updates still to end (the update thread counts them down)
+        self.compute_end: float | None = None
+        self.end: float | None = None
+
+    def unit_done(self) -> None:
+        self.left -= 1
+        if not self.left:
+            self.end = time.perf_counter()
 
 
 class SlideDPBackend:
@@ -76,12 +104,16 @@ class SlideDPBackend:
         self.rank, self.world = dp_rank, dp_world
         self.max_norm, self.loss_chunk = tr.max_norm, tr.loss_chunk_tokens
         self.guard = tr.nonfinite != "off"
-        # Updates wait for the step's global norm: to clip, or to skip a non-finite step.
-        self.deferred = tr.max_norm > 0 or self.guard
+        self.deferred = updates_deferred(max_norm=tr.max_norm, nonfinite=tr.nonfinite)
         self.layout = StateLayout(model_args, world=dp_world)
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
-        plan = HostStatePlan.for_run(cfg, grad_accum_steps=tr.grad_accum_steps,
-                                     max_norm=tr.max_norm, nonfinite=tr.nonfinite)
+        needs = dict(grad_accum_steps=tr.grad_accum_steps, max_norm=tr.max_norm,
+                     nonfinite=tr.nonfinite)
+        plan = HostStatePlan.for_run(cfg, **needs)
+        # Whether turning the shadow off saves host memory (not when a deferred step's gradients
+        # would then need a buffer of the same size).
+        self._shadow_off_saves = host_state_bytes(self.layout, plan) > host_state_bytes(
+            self.layout, HostStatePlan.for_run(replace(cfg, bf16_shadow=False), **needs))
         self._check_host_memory(plan, offload_pool=None)
         # The policies' costs, measured on one block before anything big is allocated, size the
         # activation offload pool of the micro-batch the run is configured for.
@@ -108,7 +140,7 @@ class SlideDPBackend:
             # Create each communicator now, from one thread, rather than lazily inside two
             # worker threads at once.
             dist.all_reduce(torch.zeros(1, device=device), group=group)
-        self.chunk = max(SHARD_ALIGN, int(cfg.chunk_mib * 2**20 / 2) // SHARD_ALIGN * SHARD_ALIGN)
+        self.chunk = chunk_elems(cfg.chunk_mib)
         self.streams = Streams(device)
         self.traffic = Traffic()
         threads = cfg.cpu_threads or cpu_adam.default_num_threads(local_world=self.local_world)
@@ -135,6 +167,13 @@ class SlideDPBackend:
                                              initializer=self.streams.bind_thread)
         self._updater = ThreadPoolExecutor(1, thread_name_prefix="slidedp-update",
                                            initializer=self.streams.bind_thread)
+        # A failed job stops every wait of this rank (version gates included), so nothing hangs.
+        self._queue = UpdateQueue(self._updater, UPDATE_ORDERS[cfg.update_order],
+                                  on_failure=self.state.aborted.set)
+        self._tails: list[_UpdateTail] = []  # steps whose updates have not all been reported
+        # The current step's gradient returns, and the last one of each unit (by index).
+        self._returns: list[Future] = []
+        self._returned: dict[int, Future] = {}
         self._last_release: dict[int, Future | None] = {b: None for b in range(len(self.buffers))}
         self._resident: dict[int, int] = {}
         # The current micro-batch's runtime state, by use: resolved by the compute thread with the
@@ -157,6 +196,8 @@ class SlideDPBackend:
         if reduction == "cpu" and not self.state.plan.cpu_staging:
             raise ValueError("reduction='cpu' needs the host staging region: start with "
                              "slidedp.reduction = 'cpu'")
+        # The route has a place for a step's gradients.
+        self.state.plan.hold(n_micro=1, reduction=reduction, deferred=self.deferred)
         self._drain()
         self.delivery = Delivery(self.state, self.streams, route=delivery, rank=self.rank,
                                  world=self.world, group=self._gather_group,
@@ -167,6 +208,11 @@ class SlideDPBackend:
                                           traffic=self.traffic,
                                           max_unit=max(u.padded for u in self.layout.units),
                                           threads=self.optimizer.threads)
+
+    def set_update_order(self, name: UpdateOrderName) -> None:
+        """Switch slidedp.update_order between steps (the bench compares the orders in one
+        build); the order changes timing only, so the updates still queued simply follow it."""
+        self._queue.order = UPDATE_ORDERS[name]
 
     def set_activation(self, *, default: str, blocks: str = "", keep_blocks: int = 0) -> None:
         """Set the per-block activation policies, as the [slidedp] keys `activation`,
@@ -230,17 +276,14 @@ class SlideDPBackend:
             pool = (f" + activation offload pool {offload_pool / 2**30:.2f} GiB x "
                     f"{self.local_world} ranks" if offload_pool else "")
             print(f"[slidedp] host state: {state / 2**30:.2f} GiB shared for {n / 1e6:,.1f}M "
-                  f"params ({state / n:.1f} B/param: fp32 master+moments"
-                  f"{' + bf16 shadow' if plan.bf16_shadow else ''}"
-                  f"{' + fp32 grad buffer' if plan.grad_accum else ''}"
-                  f"{' + per-rank grad staging' if plan.cpu_staging else ''}){pool}; "
+                  f"params ({state / n:.1f} B/param: {plan.describe()}){pool}; "
                   f"available {have / 2**30:.2f} GiB", flush=True)
         if need > have and self.cfg.check_host_memory:
+            shadow = "turn off slidedp.bf16_shadow, " if self._shadow_off_saves else ""
             raise MemoryError(f"SlideDP needs {need / 2**30:.2f} GiB of host memory but only "
-                              f"{have / 2**30:.2f} GiB is available (turn off slidedp.bf16_shadow, "
-                              f"offload fewer activations, use a smaller model, or set "
-                              f"slidedp.check_host_memory = false on machines whose memory grows "
-                              f"on demand)")
+                              f"{have / 2**30:.2f} GiB is available (offload fewer activations, "
+                              f"{shadow}use a smaller model, or set slidedp.check_host_memory = "
+                              f"false on machines whose memory grows on demand)")
 
     def _master_view(self, name: str) -> torch.Tensor:
         unit, p = self.layout.by_name[name]
@@ -304,7 +347,7 @@ class SlideDPBackend:
             self._last_release[use.buffer] = self._released[-1]
 
     def _submit_grad(self, unit: Unit, leaves: dict[str, torch.Tensor], *, micro: int,
-                     n_micro: int, lr: float) -> None:
+                     n_micro: int, lr: float, hold: Hold, tail: _UpdateTail) -> None:
         flat = torch.empty(unit.padded, dtype=torch.bfloat16, device=self.device)
         grads = [(leaves[p.local_name].grad if leaves[p.local_name].grad is not None
                   else torch.zeros(p.shape, dtype=torch.bfloat16, device=self.device)).reshape(-1)
@@ -312,48 +355,96 @@ class SlideDPBackend:
         torch.cat(grads, out=flat[:unit.numel])
         flat[unit.numel:].zero_()
         ready = self.streams.record()
-        self._pending.append(self._updater.submit(self._grad_job, unit, flat, ready, self._token,
-                                                  micro, n_micro, lr, self.adam_steps + 1,
-                                                  self.steps_done + 1))
+        step = dict(lr=lr, adam_step=self.adam_steps + 1, version=self.steps_done + 1, tail=tail)
+        returned = self._queue.add_return(partial(
+            self._return_job, self.grad_return, unit, flat, ready, self._token, micro=micro,
+            n_micro=n_micro, hold=hold, **step))
+        self._returns.append(returned)
+        if micro < n_micro - 1:
+            return
+        self._returned[unit.index] = returned
+        if not self.deferred and hold != "none":  # runnable once the gradient is home
+            self._queue_update(unit, hold, returned, coef=1.0, skip=False, **step)
 
-    def _grad_job(self, unit: Unit, flat: torch.Tensor, ready, token: int, micro: int,
-                  n_micro: int, lr: float, adam_step: int, version: int) -> None:
-        st, last = self.state, micro == n_micro - 1
-        update_now = last and not self.deferred
-        if update_now:
-            self._wait_save(unit, version)
-        # One micro-batch: the route's gradient is the step's, so the route takes its norm (on
-        # the GPU, or inside the host sum). Accumulated: the last accumulation pass takes it.
-        route_norm = n_micro == 1
+    def _queue_update(self, unit: Unit, hold: Hold, returned: Future, **kw) -> None:
+        job = partial(self._update_job, self.grad_return, unit, hold, returned, **kw)
+        self._pending.append(self._queue.add_update(unit.index, job, after=returned))
+
+    def _return_job(self, route: GradientReturn, unit: Unit, flat: torch.Tensor, ready,
+                    token: int, *, micro: int, n_micro: int, hold: Hold, lr: float,
+                    adam_step: int, version: int, tail: _UpdateTail):
+        """One micro-batch's gradient of the unit comes home and waits where `hold` says (with
+        "none" it is applied as it arrives); returns what the unit's update needs."""
+        last = micro == n_micro - 1
         with self._timed("grad_job_s"):
-            for lo, hi, g in self.grad_return.chunks(unit, flat, ready, token, norm=route_norm):
-                a, b = unit.host_offset + lo, unit.host_offset + hi
-                if st.plan.grad_accum:
-                    acc = st.grad_accum[a:b]
+            # One micro-batch: the route's gradient is the step's, so the route takes its norm
+            # (on the GPU, or inside the host sum). Accumulated: the last accumulation pass.
+            returned = route.start(unit, flat, ready, token, norm=n_micro == 1)
+            if hold in ("shadow", "grad_bf16"):
+                lo, hi = unit.shard(self.rank, self.world)
+                return route.copy_home(returned, self.state.unit_view(hold, unit.index, lo, hi))
+            if hold == "grad_accum":
+                for lo, hi, g in route.chunks(returned):
                     with self._timed("accumulate_s"):
                         self._normsq += cpu_adam.grad_accumulate(
-                            acc, g, assign=micro == 0, want_sumsq=last and not route_norm,
+                            self.state.grad_accum[unit.host_offset + lo:unit.host_offset + hi], g,
+                            assign=micro == 0, want_sumsq=last and n_micro > 1,
                             num_threads=self.optimizer.threads)
-                    g = acc
-                if update_now:
-                    with self._timed("update_s"):
-                        self.optimizer.update(a, b, g, step=adam_step, lr=lr)
-        if update_now:
-            st.version[unit.index, self.rank] = version
+                return None
+            if hold == "staging":
+                for _ in route.chunks(returned, release=False):
+                    pass  # the sum, for the norm; the copies stay until the update sums again
+                return returned
+            if hold == "device":
+                return returned
+        self._update(unit, route.chunks(returned), coef=1.0, lr=lr, adam_step=adam_step,
+                     version=version, tail=tail)
+        return None
 
-    def _apply_job(self, coef: float, lr: float, adam_step: int, version: int) -> None:
-        """Deferred (clipped or guarded) updates, after the global norm is known, in forward
-        order so the next step's deliveries (gated per unit) start as soon as their unit is
-        done."""
-        for unit in self.layout.units:
-            self._wait_save(unit, version)
+    def _update_job(self, route: GradientReturn, unit: Unit, hold: Hold, returned: Future, *,
+                    coef: float, skip: bool, lr: float, adam_step: int, version: int,
+                    tail: _UpdateTail) -> None:
+        """The unit's update from where its gradient waited (scaled by `coef`); a skipped
+        step's only restores what held the gradient and opens the version gate."""
+        held = returned.result()
+        if not skip:
+            self._update(unit, self._held_grads(unit, hold, route, held), coef=coef, lr=lr,
+                         adam_step=adam_step, version=version, tail=tail)
+            return
+        if hold == "shadow":  # it holds the gradient: the weights come back from the master
+            Streams.synchronize(held)
             lo, hi = unit.shard(self.rank, self.world)
-            with self._timed("clipped_update_s"):
-                for start in range(lo, hi, self.chunk):
-                    a, b = unit.host_offset + start, unit.host_offset + min(start + self.chunk, hi)
-                    self.optimizer.update(a, b, self.state.grad_accum[a:b], step=adam_step,
-                                          lr=lr, grad_scale=coef)
-            self.state.version[unit.index, self.rank] = version
+            self.state.unit_view("shadow", unit.index, lo, hi).copy_(
+                self.state.unit_view("master", unit.index, lo, hi))
+        elif hold == "staging":
+            route.release(held)
+        self._set_version(unit, version, tail)
+
+    def _held_grads(self, unit: Unit, hold: Hold, route: GradientReturn,
+                    held) -> Iterable[tuple[int, int, torch.Tensor]]:
+        """The unit's summed gradient shard where it waited, in unit-local chunks."""
+        if hold in ("device", "staging"):
+            return route.chunks(held)  # the copy home, or the host sum again
+        Streams.synchronize(held)  # a host region: the copy home has landed
+        lo, hi = unit.shard(self.rank, self.world)
+        region, base = self.state.regions[hold], unit.host_offset
+        return ((a, min(a + self.chunk, hi), region[base + a:base + min(a + self.chunk, hi)])
+                for a in range(lo, hi, self.chunk))
+
+    def _update(self, unit: Unit, grads: Iterable[tuple[int, int, torch.Tensor]], *,
+                coef: float, lr: float, adam_step: int, version: int,
+                tail: _UpdateTail) -> None:
+        """AdamW on this rank's shard of the unit, chunk by chunk, then its version gate."""
+        self._wait_save(unit, version)
+        with self._timed("clipped_update_s" if self.deferred else "update_s"):
+            for lo, hi, g in grads:
+                self.optimizer.update(unit.host_offset + lo, unit.host_offset + hi, g,
+                                      step=adam_step, lr=lr, grad_scale=coef)
+        self._set_version(unit, version, tail)
+
+    def _set_version(self, unit: Unit, version: int, tail: _UpdateTail) -> None:
+        self.state.version[unit.index, self.rank] = version
+        tail.unit_done()
 
     def _wait_save(self, unit: Unit, version: int) -> None:
         """The background save must have written the unit before this update (`host_save_wait_s`:
@@ -381,10 +472,10 @@ class SlideDPBackend:
 
     def _micro_batch(self, uses: list[Use], tokens: torch.Tensor, labels: torch.Tensor,
                      rope: tuple[torch.Tensor, torch.Tensor], *, global_tokens: int, micro: int,
-                     n_micro: int, lr: float) -> torch.Tensor:
+                     n_micro: int, lr: float, hold: Hold, tail: _UpdateTail) -> torch.Tensor:
         units = self.layout.units
         saved: dict[int, tuple] = {}
-        grad_kw = dict(micro=micro, n_micro=n_micro, lr=lr)
+        grad_kw = dict(micro=micro, n_micro=n_micro, lr=lr, hold=hold, tail=tail)
         self.offloader.begin_micro_batch()
         # Set by the uses in their fixed order: embed fwd (h0, emb), head (loss, grad_h), ...
         # Graphs are held by their gradient edges, not by their output tensors, whose memory
@@ -440,11 +531,25 @@ class SlideDPBackend:
         if self.state.aborted.is_set():
             raise RuntimeError("SlideDP: an earlier step failed on this rank; its host state is "
                                "mid-update, so restart from the last checkpoint")
+        # Refused before any work if the host state has no place for the step's gradients.
+        hold = self.state.plan.hold(n_micro=len(micro_batches), reduction=self.grad_return.route,
+                                    deferred=self.deferred)
         try:
-            return self._train_step(micro_batches, lr=lr, global_target_tokens=global_target_tokens)
-        except BaseException:
+            return self._train_step(micro_batches, hold=hold, lr=lr,
+                                    global_target_tokens=global_target_tokens)
+        except BaseException as e:
             self._abort()
+            cause = self._failed_job()
+            if isinstance(e, StepAborted) and cause is not None:
+                raise cause  # a job of the update thread failed and stopped the waits
             raise
+
+    def _failed_job(self) -> BaseException | None:
+        """The first error of an update-thread job, other than the stops it caused."""
+        for fut in (*self._pending, *self._returns):
+            if fut.done() and not isinstance(fut.exception(), (type(None), StepAborted)):
+                return fut.exception()
+        return None
 
     def _abort(self) -> None:
         """The step failed on the compute thread (out of memory, a bad batch, Ctrl-C). Its jobs
@@ -457,12 +562,16 @@ class SlideDPBackend:
                 released.set_exception(StepAborted("SlideDP: the step using this buffer failed"))
         self.offloader.clear()
 
-    def _train_step(self, micro_batches: list[Batch], *, lr: float, global_target_tokens: int) -> StepResult:
-        self.traffic.reset()
+    def _train_step(self, micro_batches: list[Batch], *, hold: Hold, lr: float,
+                    global_target_tokens: int) -> StepResult:
+        self._reap()
         n_micro = len(micro_batches)
         rope = rope_tables(self.args, micro_batches[0][0].shape[1], self.device)
         self._ensure_offload_pool(*micro_batches[0][0].shape)
         offload = [p.offload for p in self.policies]
+        tail = _UpdateTail(len(self.layout.units))
+        self._tails.append(tail)
+        self._returns, self._returned = [], {}
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro, (tokens, labels) in enumerate(micro_batches):
             self._token += 1
@@ -474,13 +583,14 @@ class SlideDPBackend:
             loss += self._micro_batch(uses, tokens.to(self.device, non_blocking=True),
                                       labels.to(self.device, non_blocking=True), rope,
                                       global_tokens=global_target_tokens, micro=micro,
-                                      n_micro=n_micro, lr=lr)
-        # The update tail: from the moment the GPUs finish this step's compute to the moment the
-        # last gradient of the step has been returned and applied (what backward did not hide).
+                                      n_micro=n_micro, lr=lr, hold=hold, tail=tail)
+        # What the step waits for after the GPUs finish its compute: its gradients coming home
+        # (and on the cpu route without deferral their updates, which take the norm).
         Streams.synchronize(self.streams.record())
-        t_compute = time.perf_counter()
-        self._drain()
-        t_drained = time.perf_counter()
+        tail.compute_end = t_compute = time.perf_counter()
+        for returned in self._returns:
+            returned.result()
+        t_returned = time.perf_counter()
         self._normsq += self.grad_return.take_normsq()
         totals = torch.tensor([self._normsq, float(loss)], dtype=torch.float64)
         self._normsq = 0.0
@@ -490,22 +600,30 @@ class SlideDPBackend:
         self.steps_done += 1
         # Global values: every rank takes the same decision.
         skipped = self.guard and not (math.isfinite(grad_norm) and math.isfinite(loss_sum))
-        if skipped:  # nothing was updated (deferred): the next step may read every unit
-            self.state.version[:, self.rank] = self.steps_done
-        else:
+        if not skipped:
             self.adam_steps += 1
-        if self.deferred and not skipped:
+        if self.deferred:  # skipped: nothing is updated, the next step may read every unit
             coef = min(1.0, self.max_norm / (grad_norm + 1e-6)) if self.max_norm > 0 else 1.0
-            self._pending.append(self._updater.submit(self._apply_job, coef, lr, self.adam_steps,
-                                                      self.steps_done))
-        extra = self.traffic.as_metrics()
-        extra.update(update_tail_s=t_drained - t_compute,
+            for unit in self.layout.units:
+                self._queue_update(unit, hold, self._returned[unit.index], coef=coef,
+                                   skip=skipped, lr=lr, adam_step=self.adam_steps,
+                                   version=self.steps_done, tail=tail)
+        extra = self.traffic.take()
+        extra.update(update_wait_s=t_returned - t_compute, **self._finished_tail(),
                      **self._host_times_since_last_step())
         return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, extra=extra, skipped=skipped)
 
+    def _finished_tail(self) -> dict[str, float]:
+        """`update_tail_s` of the latest step whose updates all ended since the last report
+        (the previous step's, when its updates outlast it): from the end of its GPU compute to
+        its last update."""
+        done = [t for t in self._tails if t.end is not None]
+        self._tails = [t for t in self._tails if t.end is None]
+        return {"update_tail_s": max(0.0, done[-1].end - done[-1].compute_end)} if done else {}
+
     def _host_times_since_last_step(self) -> dict[str, float]:
-        """`host_<key>` seconds since the previous step's report: a clipped update that ends
-        before the next step starts still counts in that step instead of being lost."""
+        """`host_<key>` seconds since the previous step's report: updates that run after a
+        step returns count in the next step instead of being lost."""
         totals = dict(self._host_times)
         since = {f"host_{key}": total - self._host_reported.get(key, 0.0)
                  for key, total in totals.items() if total > self._host_reported.get(key, 0.0)}
@@ -513,6 +631,13 @@ class SlideDPBackend:
         return since
 
     # ---- outside the step ---------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Forget the updates that ended; one that failed since the last step fails this one."""
+        for fut in self._pending:
+            if fut.done():
+                fut.result()
+        self._pending = [fut for fut in self._pending if not fut.done()]
 
     def _drain(self) -> None:
         for fut in self._pending:
@@ -530,7 +655,7 @@ class SlideDPBackend:
         this rank's shards (slidedp/state_file.py) unit by unit, in the order the next step
         updates them, and each unit's next update waits until the unit is written (SaveGate).
         Only this rank's shards are read, so the writer needs no peer (`group` is unused)."""
-        pending = list(self._pending)  # the last step's deferred updates may still be running
+        pending = list(self._pending)  # the last step's updates may still be running
         units = list(self.layout.units)
         if not self.deferred:  # the next step updates during backward: head first
             units.reverse()

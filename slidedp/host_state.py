@@ -9,11 +9,16 @@ as pinned memory (cudaHostRegister), so each byte exists once and copies are asy
 
 Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_ALIGN):
   master fp32, exp_avg fp32, exp_avg_sq fp32     12 bytes/param, always
-  shadow bf16                                     2 bytes/param, when bf16_shadow (delivery source)
-  grad_accum fp32                                 4 bytes/param, only with grad accumulation or
-                                                  clipping (gradients wait on the host)
+  shadow bf16                                     2 bytes/param, when bf16_shadow (delivery source;
+                                                  with one micro-batch it also holds each unit's
+                                                  returned gradient until the unit's update)
+  grad_bf16 bf16                                  2 bytes/param, without the shadow when updates
+                                                  wait for the step's norm (clipping or the
+                                                  non-finite guard), one micro-batch, gpu route
+  grad_accum fp32                                 4 bytes/param, only with gradient accumulation
   staging bf16 x world                            2*R bytes/param, only for reduction="cpu"
-                                                  (every rank returns its full gradient)
+                                                  (every rank returns its full gradient; it also
+                                                  holds a deferred step's gradients)
   control int64                                   per-unit version / ready / consumed counters
 """
 
@@ -22,7 +27,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -31,6 +36,19 @@ from slidedp.layout import StateLayout
 from slidedp.streams import register_host, unregister_host
 
 _CONTROL_FIELDS = ("version", "ready", "consumed")
+
+
+Hold = Literal["none", "device", "shadow", "grad_bf16", "grad_accum", "staging"]
+"""Where a step's returned gradients wait for their updates: nowhere (the cpu route's host sum
+feeds the update as it arrives), the reduced shard on the GPU, a host region (the BF16 shadow,
+the BF16 gradient buffer, the FP32 accumulation buffer), or the cpu route's staging copies,
+summed again at the update."""
+
+
+def updates_deferred(*, max_norm: float, nonfinite: str) -> bool:
+    """The updates wait for the step's global norm: to clip, or to skip a non-finite step (the
+    guard, unless training.nonfinite = "off")."""
+    return max_norm > 0 or nonfinite != "off"
 
 
 class StepAborted(RuntimeError):
@@ -43,20 +61,57 @@ class HostStatePlan:
 
     bf16_shadow: bool
     """Keep a BF16 copy of the master weights (the delivery source)."""
+    grad_bf16: bool
+    """Keep a BF16 gradient buffer: without the shadow, the gpu route's reduced gradients wait
+    there for updates deferred to the step's norm."""
     grad_accum: bool
-    """Keep an FP32 gradient buffer (accumulation / clipping)."""
+    """Keep an FP32 gradient buffer (accumulation over micro-batches)."""
     cpu_staging: bool
     """Per-rank full-gradient return buffers (CPU-side reduction)."""
 
     @classmethod
     def for_run(cls, cfg: SlideDPConfig, *, grad_accum_steps: int, max_norm: float,
                 nonfinite: str) -> "HostStatePlan":
-        """The regions a run needs: gradients wait on the host with accumulation, or when the
-        updates wait for the step's global norm (clipping, or the non-finite guard unless
-        training.nonfinite = "off")."""
-        deferred = max_norm > 0 or nonfinite != "off"
-        return cls(bf16_shadow=cfg.bf16_shadow, grad_accum=grad_accum_steps > 1 or deferred,
-                   cpu_staging=cfg.reduction == "cpu")
+        """The regions a run needs. Accumulated gradients are summed in FP32. With one
+        micro-batch a gradient is BF16 as reduced, so it waits as BF16 when the updates wait for
+        the step's global norm (clipping, or the non-finite guard unless training.nonfinite =
+        "off"): in the shadow, whose unit is not read again before its update; without one in
+        its own BF16 region; on the cpu route in the staging copies, summed again at the update."""
+        deferred = updates_deferred(max_norm=max_norm, nonfinite=nonfinite)
+        accumulate = grad_accum_steps > 1
+        return cls(bf16_shadow=cfg.bf16_shadow,
+                   grad_bf16=(deferred and not accumulate and not cfg.bf16_shadow
+                              and cfg.reduction == "gpu"),
+                   grad_accum=accumulate, cpu_staging=cfg.reduction == "cpu")
+
+    def hold(self, *, n_micro: int, reduction: str, deferred: bool) -> "Hold":
+        """Where a step of `n_micro` micro-batches on the `reduction` route keeps its gradients
+        until their updates (raises if these regions have no place for them)."""
+        if n_micro > 1:
+            if not self.grad_accum:
+                raise ValueError(f"SlideDP: {n_micro} micro-batches per step need the FP32 "
+                                 "accumulation buffer: start with training.grad_accum_steps > 1")
+            return "grad_accum"
+        if reduction == "cpu":
+            return "staging" if deferred else "none"
+        # BF16 as reduced; the shadow's unit is not read again before the unit's update.
+        if self.bf16_shadow:
+            return "shadow"
+        if self.grad_bf16:
+            return "grad_bf16"
+        if not deferred:
+            return "device"
+        if self.grad_accum:
+            return "grad_accum"
+        raise ValueError("SlideDP: updates that wait for the step's norm need a host gradient "
+                         "buffer on reduction='gpu': start with slidedp.reduction = 'gpu' or "
+                         "with slidedp.bf16_shadow")
+
+    def describe(self) -> str:
+        """The optional regions, as the start-up report names them."""
+        optional = ((self.bf16_shadow, "bf16 shadow"), (self.grad_bf16, "bf16 grad buffer"),
+                    (self.grad_accum, "fp32 grad buffer"), (self.cpu_staging, "per-rank grad staging"))
+        return " + ".join(["fp32 master+moments", *(name for present, name in optional if present)])
 
 
 def _region_sizes(layout: StateLayout, plan: HostStatePlan) -> list[tuple[str, torch.dtype, int]]:
@@ -65,6 +120,8 @@ def _region_sizes(layout: StateLayout, plan: HostStatePlan) -> list[tuple[str, t
                ("exp_avg_sq", torch.float32, n)]
     if plan.bf16_shadow:
         regions.append(("shadow", torch.bfloat16, n))
+    if plan.grad_bf16:
+        regions.append(("grad_bf16", torch.bfloat16, n))
     if plan.grad_accum:
         regions.append(("grad_accum", torch.float32, n))
     if plan.cpu_staging:
@@ -130,9 +187,9 @@ class SharedHostState:
         self.aborted = threading.Event()  # this rank's step failed: runtime threads stop waiting
         self._registered: list[int] = []
         if pin:
-            for name in ("shadow", "staging", "master"):
+            for name in ("shadow", "grad_bf16", "staging", "master"):
                 if name in self.regions and (name != "master" or not plan.bf16_shadow):
-                    # The DMA engines read the shared bytes directly.
+                    # The DMA engines read and write the shared bytes directly.
                     self._registered.append(register_host(self.regions[name]))
 
     def __getattr__(self, name: str) -> torch.Tensor:

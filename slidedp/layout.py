@@ -19,6 +19,12 @@ from models.qwen import QwenModel
 SHARD_ALIGN = 128
 
 
+def chunk_elems(chunk_mib: float) -> int:
+    """Elements per chunk of the copy and update pipelines: slidedp.chunk_mib of BF16, whole
+    shard-alignment units (at least one)."""
+    return max(SHARD_ALIGN, int(chunk_mib * 2**20 / 2) // SHARD_ALIGN * SHARD_ALIGN)
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """One parameter inside its unit's flat range."""

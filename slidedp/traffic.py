@@ -1,11 +1,11 @@
-"""Per-rank byte counters for the routes, reset every step (checked against the paper's table)."""
+"""Per-rank byte counters for the routes, reported per step (checked against the paper's table)."""
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 
 
 @dataclass
 class Traffic:
-    """Bytes this rank moved during one step."""
+    """Bytes this rank moved since start, by route."""
 
     h2d: int = 0
     """Host -> GPU parameter bytes (PCIe)."""
@@ -22,9 +22,15 @@ class Traffic:
     offload_h2d: int = 0
     """Offloaded activation bytes brought back to the GPU for backward (PCIe)."""
 
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, 0)
+    def __post_init__(self) -> None:
+        self._reported = asdict(self)
 
-    def as_metrics(self) -> dict[str, float]:
-        return {f"traffic_{f.name}_mb": getattr(self, f.name) / 2**20 for f in fields(self)}
+    def take(self) -> dict[str, float]:
+        """MiB moved since the previous call, per route. The counters only grow (each has one
+        writing thread), so work that runs between two steps (a step's updates may) is counted
+        once, by the next report, and never lost to a reset."""
+        totals = asdict(self)
+        since = {f"traffic_{name}_mb": (total - self._reported[name]) / 2**20
+                 for name, total in totals.items()}
+        self._reported = totals
+        return since

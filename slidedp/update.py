@@ -7,6 +7,9 @@ Two reduction routes over the same host layout:
 Either way rank r ends up holding the summed gradient of its shard of the unit, chunk by chunk,
 and updates that slice of the shared state (its own cores, no global lock). The D2H copies of all
 chunks are issued up front so Adam starts on the first chunk while the rest are still in flight.
+A return is split where the other ranks stop mattering (`GradientReturn.start`), so a rank
+starts its returns in the order every rank shares and updates in an order of its own
+(slidedp/update_order.py).
 """
 
 from dataclasses import dataclass
@@ -38,9 +41,27 @@ class AdamHyper:
     """Decoupled weight decay."""
 
 
+@dataclass
+class Returned:
+    """One micro-batch's gradient of a unit on its way home (this rank's shard)."""
+
+    unit: Unit
+    """The unit."""
+    token: int
+    """The micro-batch's token (the cpu route's staging handshake)."""
+    shard: torch.Tensor | None
+    """gpu route: the reduced shard on the GPU until it is copied home."""
+    norm: bool
+    """cpu route: the host sum still owes the step's squared norm."""
+
+
 class GradientReturn:
-    """Brings a unit's summed gradient shard home, yielding (start, end, host_grad) chunks in
-    unit-local coordinates of this rank's shard."""
+    """Brings a unit's summed gradient shard home in two parts: `start` (gpu: the
+    reduce-scatter; cpu: this rank's full gradient into its staging region), then `chunks` (the
+    summed shard, chunk by chunk, in unit-local coordinates) or, on the gpu route, `copy_home`
+    (the whole shard into a host region). Every rank must start the returns in the same order;
+    what follows touches only this rank's shard, in any order, except that the cpu route's first
+    `chunks` of a unit waits until every rank has started its return."""
 
     def __init__(self, state: SharedHostState, streams: Streams, *, route: ReductionRoute,
                  rank: int, world: int, group: dist.ProcessGroup | None, chunk_elems: int,
@@ -53,14 +74,13 @@ class GradientReturn:
         self.chunk, self.traffic, self.threads = chunk_elems, traffic, threads
         self.stream = streams.new_stream()
         self._normsq: torch.Tensor | None = None
+        self._norm_done: torch.cuda.Event | None = None
         self._host_normsq = 0.0
-        if route == "gpu":
-            self.recv = torch.empty(max_unit // world, dtype=torch.bfloat16,
-                                    pin_memory=streams.is_cuda)
-            self.sum_buf = None
-        else:
-            self.recv = None
-            self.sum_buf = torch.empty(chunk_elems, dtype=torch.float32)
+        self._max_shard = max_unit // world
+        # gpu route: the pinned receive buffer of chunks(), made when first needed (a gradient
+        # copied home into a host region needs none); cpu route: the host sum's chunk.
+        self._recv: torch.Tensor | None = None
+        self.sum_buf = torch.empty(chunk_elems, dtype=torch.float32) if route == "cpu" else None
 
     def take_normsq(self) -> float:
         """Squared norm of the shards returned with `norm=True` since the last call: summed on
@@ -68,47 +88,77 @@ class GradientReturn:
         by the cpu route."""
         value, self._host_normsq = self._host_normsq, 0.0
         if self._normsq is not None:
-            Streams.synchronize(self.streams.record(self.stream))
+            Streams.synchronize(self._norm_done)
             value, self._normsq = value + float(self._normsq), None
         return value
 
-    def chunks(self, unit: Unit, flat_grad: torch.Tensor, ready: torch.cuda.Event | None,
-               token: int, *, norm: bool):
-        """The summed gradient of this rank's shard, chunk by chunk. With `norm` its squared
-        norm is accumulated as well (see `take_normsq`)."""
+    def start(self, unit: Unit, flat_grad: torch.Tensor, ready: torch.cuda.Event | None,
+              token: int, *, norm: bool) -> Returned:
+        """The part of the return that involves the other ranks, issued on the return stream.
+        With `norm` the shard's squared norm joins `take_normsq` (the cpu route's at its first
+        sum)."""
         lo, hi = unit.shard(self.rank, self.world)
         with self.streams.use(self.stream):
             self.streams.wait(ready, self.stream)
             # The caching allocator must not hand flat_grad's memory out again before we're done.
             if self.streams.is_cuda:
                 flat_grad.record_stream(self.stream)
-            if self.route == "gpu":
-                yield from self._gpu_route(unit, flat_grad, lo, hi, norm=norm)
-            else:
-                yield from self._cpu_route(unit, flat_grad, lo, hi, token, norm=norm)
+            if self.route == "cpu":
+                self._send(unit, flat_grad, token)
+                return Returned(unit, token, shard=None, norm=norm)
+            shard = flat_grad  # one rank: its gradient is the sum
+            if self.world > 1:
+                shard = torch.empty(hi - lo, dtype=flat_grad.dtype, device=flat_grad.device)
+                reduce_scatter_single(shard, flat_grad, group=self.group)
+                self.traffic.reduce_scatter += (unit.padded - (hi - lo)) * 2
+            if norm:
+                sq = torch.linalg.vector_norm(shard, dtype=torch.float32).square()
+                self._normsq = sq if self._normsq is None else self._normsq + sq
+                self._norm_done = self.streams.record(self.stream)
+            self.traffic.d2h += (hi - lo) * 2  # it goes home once, by chunks() or copy_home()
+            return Returned(unit, token, shard=shard, norm=False)
 
-    def _gpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, *, norm: bool):
-        shard = torch.empty(hi - lo, dtype=flat_grad.dtype, device=flat_grad.device)
-        if self.world > 1:
-            reduce_scatter_single(shard, flat_grad, group=self.group)
-            self.traffic.reduce_scatter += (unit.padded - (hi - lo)) * 2
-        else:
-            shard.copy_(flat_grad)
-        if norm:
-            sq = torch.linalg.vector_norm(shard, dtype=torch.float32).square()
-            self._normsq = sq if self._normsq is None else self._normsq + sq
+    def copy_home(self, returned: Returned, into: torch.Tensor) -> torch.cuda.Event | None:
+        """gpu route: copy the reduced shard into `into` (registered host memory of its size)
+        without waiting; returns the event that marks its arrival."""
+        with self.streams.use(self.stream):
+            into.copy_(returned.shard, non_blocking=True)
+            returned.shard = None  # the stream-ordered allocator keeps it until the copy is done
+            return self.streams.record(self.stream)
+
+    def chunks(self, returned: Returned, *, release: bool = True):
+        """The summed gradient of this rank's shard, chunk by chunk: (start, end, host chunk)
+        in unit-local coordinates, each valid until the next. On the cpu route the sum waits for
+        every rank's staging copy; `release=False` keeps the copies for a second pass (then
+        `release` them)."""
+        lo, hi = returned.unit.shard(self.rank, self.world)
+        with self.streams.use(self.stream):
+            if self.route == "gpu":
+                yield from self._copy_chunks(returned, lo, hi)
+            else:
+                yield from self._sum_chunks(returned, lo, hi)
+                if release:
+                    self.release(returned)
+
+    def release(self, returned: Returned) -> None:
+        """cpu route: this rank is done with every rank's staging copy of the unit."""
+        self.state.consumed[returned.unit.index, self.rank] = returned.token
+
+    def _copy_chunks(self, returned: Returned, lo: int, hi: int):
+        if self._recv is None:
+            self._recv = torch.empty(self._max_shard, dtype=torch.bfloat16,
+                                     pin_memory=self.streams.is_cuda)
         events = []
         for start in range(0, hi - lo, self.chunk):
             end = min(start + self.chunk, hi - lo)
-            self.recv[start:end].copy_(shard[start:end], non_blocking=True)
+            self._recv[start:end].copy_(returned.shard[start:end], non_blocking=True)
             events.append((start, end, self.streams.record(self.stream)))
-        self.traffic.d2h += (hi - lo) * 2
+        returned.shard = None
         for start, end, ev in events:
             Streams.synchronize(ev)
-            yield lo + start, lo + end, self.recv[start:end]
+            yield lo + start, lo + end, self._recv[start:end]
 
-    def _cpu_route(self, unit: Unit, flat_grad: torch.Tensor, lo: int, hi: int, token: int, *,
-                   norm: bool):
+    def _send(self, unit: Unit, flat_grad: torch.Tensor, token: int) -> None:
         st = self.state
         # Buffer release: every owner must have consumed our previous return of this unit, whose
         # token is the one we last marked ready (not token - 1: micro-batches that took the gpu
@@ -126,7 +176,11 @@ class GradientReturn:
             Streams.synchronize(ev)
         self.traffic.d2h += unit.padded * 2
         st.ready[unit.index, self.rank] = token
+
+    def _sum_chunks(self, returned: Returned, lo: int, hi: int):
+        st, unit, token = self.state, returned.unit, returned.token
         st.wait_counter(st.ready[unit.index], token, what=f"gradients of unit {unit.index}")
+        norm, returned.norm = returned.norm, False
         for start in range(lo, hi, self.chunk):
             end = min(start + self.chunk, hi)
             acc = self.sum_buf[:end - start]
@@ -136,11 +190,11 @@ class GradientReturn:
                     want_sumsq=norm and owner == self.world - 1, num_threads=self.threads)
             self.traffic.host_reduce += (end - start) * 2 * self.world
             yield start, end, acc
-        st.consumed[unit.index, self.rank] = token
 
 
 class HostOptimizer:
-    """AdamW on slices of the shared FP32 state, writing the BF16 shadow in the same pass."""
+    """AdamW on slices of the shared FP32 state, writing the BF16 shadow in the same pass (over
+    the gradient, when the shadow held it)."""
 
     def __init__(self, state: SharedHostState, hyper: AdamHyper, *, threads: int):
         self.state, self.hyper, self.threads = state, hyper, threads

@@ -5,6 +5,7 @@ against the `single` backend. Launched with torchrun; not a test module itself."
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,35 @@ def make_config(variant: dict, *, accum: int, max_norm: float, kernels: str = "a
     return cfg
 
 
+def slow_down_updates(backend, delay: float, log: list | None = None) -> None:
+    """Make every host update call of `backend` take `delay` seconds longer; with `log`, append
+    (unit index, start, end) of each call (perf_counter seconds)."""
+    update = backend.optimizer.update
+    starts = {u.host_offset: u.index for u in backend.layout.units}
+
+    def slow(start: int, end: int, grad, **kw) -> None:
+        begin = time.perf_counter()
+        time.sleep(delay)
+        update(start, end, grad, **kw)
+        if log is not None:
+            unit = max(i for offset, i in starts.items() if offset <= start)
+            log.append((unit, begin, time.perf_counter()))
+
+    backend.optimizer.update = slow
+
+
+def mapped_host_state_bytes() -> int:
+    """The bytes of SlideDP's shared host state that this process maps, as the kernel lists
+    them (/proc/self/maps), so a test can check the byte formula against what was allocated."""
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:slidedp-host-state" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                total += hi - lo
+    return total
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variants", required=True, help="JSON list of {slidedp field: value}")
@@ -70,11 +100,18 @@ def main() -> None:
                           vocab=args.vocab_size, seed=7)
     results = []
     for i, variant in enumerate(json.loads(a.variants)):
-        # [[delivery, reduction], ...]: set_routes before each step (not a slidedp field)
+        # Not slidedp fields: [[delivery, reduction], ...] for set_routes before each step; a
+        # delay in seconds added to every host update call (a slow CPU: the updates outlast
+        # backward, so what is left is reordered and overlaps the next step's forward).
         route_steps = variant.pop("routes_per_step", None)
+        delay = variant.pop("update_delay_s", 0.0)
         cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm, kernels=a.kernels,
                           batch=a.batch, seq=a.seq)
         backend = SlideDPBackend(cfg, args, device=device, dp_rank=rank, dp_world=world)
+        mapped = mapped_host_state_bytes()
+        updates: list = []
+        if delay:
+            slow_down_updates(backend, delay, updates)
         # What the start-up measurement predicts the activation offload moves per step.
         predicted = a.accum * sum(backend.activation_costs[p].host.at(a.batch, a.seq)
                                   for p in backend.policies) / 2**20
@@ -95,7 +132,9 @@ def main() -> None:
         if rank == 0:
             torch.save(weights, os.path.join(a.out, f"weights_{i}.pt"))
             results.append({"variant": variant, "losses": losses, "grad_norms": norms,
-                            "counters": counters, "predicted_offload_mb": predicted})
+                            "counters": counters, "predicted_offload_mb": predicted,
+                            "host_mapped_bytes": mapped,
+                            "updated_units": [unit for unit, _, _ in updates]})
     if rank == 0:
         with open(os.path.join(a.out, "results.json"), "w") as f:
             json.dump(results, f)

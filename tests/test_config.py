@@ -106,6 +106,7 @@ def test_missing_config_file():
     (["--parallelism.mode=ddp"], "parallelism.mode must be one of 'single', 'fsdp2', 'deepspeed', 'slidedp'"),
     (["--slidedp.delivery=both"], "slidedp.delivery must be one of"),
     (["--slidedp.reduction=host"], "slidedp.reduction must be one of"),
+    (["--slidedp.update_order=fifo"], "slidedp.update_order must be one of"),
     (["--slidedp.activation=offload"], "slidedp.activation: unknown activation policy"),
     (["--slidedp.activation_blocks=0-1:kep"], "slidedp.activation_blocks"),
     (["--lr_scheduler.decay-type=step"], "lr_scheduler.decay_type must be one of"),
@@ -136,7 +137,8 @@ def test_cli_spellings():
 def test_fields_with_choices_are_literal():
     """tyro checks (and --help lists) the choices of every such field (slidedp.activation is a
     policy's written form, read by slidedp.activations.parse_policy)."""
-    for section, key in [("slidedp", "delivery"), ("slidedp", "reduction"), ("parallelism", "mode"),
+    for section, key in [("slidedp", "delivery"), ("slidedp", "reduction"),
+                         ("slidedp", "update_order"), ("parallelism", "mode"),
                          ("training", "dtype"), ("training", "dataset"),
                          ("lr_scheduler", "decay_type"), ("activation_checkpoint", "mode"),
                          ("deepspeed", "zero_stage")]:

@@ -125,6 +125,26 @@ def test_bf16_rounding_edge_cases(isa):
     assert torch.equal(got.isnan(), want.isnan())
 
 
+def test_bf16_output_over_its_own_gradient(isa):
+    """SlideDP's shadow holds a unit's BF16 gradient until the update overwrites it with the
+    weights: the same memory as grad and bf16_out gives what separate buffers give."""
+    n = 2 * 32768 + 7
+    grads = [torch.randn(n, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(s))
+             for s in range(3)]
+    apart, shared = (_views(n, grad_dtype=torch.bfloat16, seed=5) for _ in range(2))
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.37,
+                 num_threads=3)
+    for step, g in enumerate(grads, start=1):
+        apart["grad"].copy_(g)
+        shared["bf16_out"].copy_(g)
+        for v, grad in ((apart, apart["grad"]), (shared, shared["bf16_out"])):
+            cpu_adam.adam_update(v["param"], grad, v["exp_avg"], v["exp_avg_sq"], step=step,
+                                 bf16_out=v["bf16_out"], **hyper)
+    for name in ("param", "exp_avg", "exp_avg_sq", "bf16_out"):
+        assert torch.equal(shared[name], apart[name]), name
+    _assert_margins_untouched(shared)
+
+
 def test_paths_and_thread_counts_bit_identical(monkeypatch):
     native = [i for i in cpu_adam.available_isas() if i != cpu_adam.TORCH_ISA]
     n = 3 * 32768 + 13

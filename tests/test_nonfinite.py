@@ -62,7 +62,9 @@ def _eager_state(backend) -> dict[str, torch.Tensor]:
 
 def _slidedp_state(backend) -> dict[str, torch.Tensor]:
     dict(backend.named_master_parameters())  # waits for every rank's pending updates
-    return {r: getattr(backend.state, r).clone() for r in ("master", "exp_avg", "exp_avg_sq")}
+    # The shadow too: a skipped step's gradients waited in it, and the weights must come back.
+    return {r: getattr(backend.state, r).clone()
+            for r in ("master", "exp_avg", "exp_avg_sq", "shadow") if r in backend.state.regions}
 
 
 def _build(mode: str, variant: dict, *, accum: int, max_norm: float, rank: int, world: int):
@@ -148,10 +150,12 @@ def test_fsdp2_skips_a_nonfinite_step_exactly():
 
 
 # Every way SlideDP updates: the guard's deferred updates without clipping (both routes), the
-# clipped ones, with accumulation; and "off", which updates during backward.
+# clipped ones (their gradients waiting in the shadow, or without one in the BF16 buffer), with
+# accumulation; and "off", which updates during backward.
 SLIDEDP_CASES = [({"reduction": "gpu"}, 1, 0.0, "loss"),
                  ({"reduction": "cpu", "delivery": "replicated"}, 1, 0.0, "grad"),
                  ({"reduction": "gpu"}, 1, 0.05, "grad"),
+                 ({"reduction": "gpu", "bf16_shadow": False}, 1, 0.05, "loss"),
                  ({"reduction": "cpu"}, 2, 0.0, "loss")]
 
 

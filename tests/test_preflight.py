@@ -16,7 +16,7 @@ from recipes.memory_estimate import (activation_bytes_per_token, estimate_device
                                      largest_fitting_batch)
 from recipes.parallelize import build_model
 from recipes.preflight import (check_device_memory, check_host_memory, check_run, check_seq_len,
-                               launch_flags)
+                               launch_flags, slidedp_host_bytes)
 from recipes.train import build_batches
 from slidedp.activations import parse_policy
 from tests.conftest import REPO
@@ -236,6 +236,47 @@ def test_device_memory_refused_with_the_numbers():
     with pytest.raises(ConfigError, match='alone do not fit: use parallelism.mode = "slidedp"'):
         check_device_memory(gpu_config("single", batch=1), FLAVORS["qwen3-14B"], world=1,
                             capacity=capacity)
+
+
+# The one-H200 machine's /proc/meminfo (docs/results/h200_call1_log.txt), bytes.
+H200_HOST_TOTAL, H200_HOST_AVAILABLE = 131961788 * 1024, 131437468 * 1024
+
+
+def test_qwen3_8b_with_clipping_fits_the_one_h200_host():
+    """Qwen3-8B with the default clipping (max_norm = 1.0) and the shadow on one H200 (128 GiB
+    of RAM): 14 B/param, 106.8 GiB, where an FP32 gradient buffer made it 18 (137 GiB). The
+    start-up check agrees; with accumulation (+4 B/param) it refuses, naming the numbers."""
+    config, args = gpu_config("slidedp", batch=16), FLAVORS["qwen3-8B"]
+    assert config.training.max_norm == 1.0 and config.slidedp.bf16_shadow
+    for shadow in (True, False):  # without the shadow the gradients take its 2 B/param
+        shared = slidedp_host_bytes(config, args, world=1, bf16_shadow=shadow)
+        assert shared / args.num_params() == pytest.approx(14.0, abs=0.01)
+        assert shared / GiB == pytest.approx(106.8, abs=0.1)
+    check_host_memory(config, args, world=1, on_cpu=False, available=H200_HOST_AVAILABLE,
+                      total=H200_HOST_TOTAL)
+    config.training.grad_accum_steps = 2
+    with pytest.raises(ConfigError, match=r"needs 137\.3 GiB \(18\.0 B/param\).* set "
+                                          r"slidedp\.bf16_shadow = false \(16\.0 B/param\)"):
+        check_host_memory(config, args, world=1, on_cpu=False, available=H200_HOST_AVAILABLE,
+                          total=H200_HOST_TOTAL)
+
+
+def test_estimate_counts_the_reduced_gradients_held_on_the_device():
+    """Without the shadow and with updates during backward (12 B/param of host memory), each
+    reduced gradient waits for its update on the GPU: the estimate counts one step's, 2/R
+    B/param, where activations are freed; a deferred or shadowed run holds them on the host."""
+    args = FLAVORS["qwen3-8B"]
+    for world in (1, 2):
+        held = gpu_config("slidedp", batch=1, bf16_shadow=False)
+        held.training.max_norm, held.training.nonfinite = 0.0, "off"
+        assert estimate_device_memory(held, args, world=world).gradients == pytest.approx(
+            2 * args.num_params() / world, rel=0.01)
+        for shadow, max_norm in ((True, 0.0), (False, 1.0)):
+            config = gpu_config("slidedp", batch=1, bf16_shadow=shadow)
+            config.training.max_norm, config.training.nonfinite = max_norm, "off"
+            assert estimate_device_memory(config, args, world=world).gradients == 0
+    held.training.grad_accum_steps = 2  # the FP32 sum on the host
+    assert estimate_device_memory(held, args, world=1).gradients == 0
 
 
 def test_host_memory_refused_with_the_numbers():

@@ -162,7 +162,7 @@ def test_slidedp_state_refuses_another_world_size(slidedp_run):
     """The backend's own check, for callers that skip the trainer's meta.json check."""
     out, _ = slidedp_run
     layout = StateLayout(get_flavor("qwen3-debug"), world=1)
-    plan = HostStatePlan(bf16_shadow=True, grad_accum=False, cpu_staging=False)
+    plan = HostStatePlan(bf16_shadow=True, grad_bf16=False, grad_accum=False, cpu_staging=False)
     state = SharedHostState(layout, plan, rank=0, world=1, share=lambda s: s,
                             barrier=lambda: None, pin=False)
     try:

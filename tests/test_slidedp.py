@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -106,6 +107,8 @@ def test_two_ranks_every_datapath_with_accumulation_and_clipping(tmp_path):
     ref_losses, ref_weights = single_reference(world=2, **kw)
     assert_matches_reference(results, ref_losses, ref_weights)
     assert_offload_traffic(results)
+    assert_host_bytes(results, world=2, flavor=kw["flavor"], accum=kw["accum"],
+                      max_norm=kw["max_norm"])
     # Traffic per rank (paper's table): sharded delivery halves H2D at R=2; CPU-side reduction
     # returns the full gradient (2x the GPU-reduced shard) and sums R copies on the host.
     t = [r["counters"][0] for r in results]
@@ -119,18 +122,27 @@ def test_two_ranks_every_datapath_with_accumulation_and_clipping(tmp_path):
 
 def test_two_ranks_clipping_without_accumulation(tmp_path):
     # One micro-batch with clipping: the route takes the norm (on the GPU, or inside the host
-    # sum) and the gradients wait on the host for the clipped update of the next step.
+    # sum) and the BF16 gradients wait on the host for the clipped update, which runs after the
+    # step: in the shadow, in the BF16 gradient buffer without one, or (cpu route) in the
+    # staging copies, summed again.
     variants = [{"delivery": "sharded", "reduction": "gpu"},
-                {"delivery": "replicated", "reduction": "cpu", "chunk_mib": ODD_CHUNK}]
+                {"delivery": "replicated", "reduction": "cpu", "chunk_mib": ODD_CHUNK},
+                {"delivery": "replicated", "reduction": "gpu", "bf16_shadow": False,
+                 "chunk_mib": ODD_CHUNK},
+                {"delivery": "sharded", "reduction": "cpu", "bf16_shadow": False}]
     kw = dict(flavor="qwen3-debug", steps=3, accum=1, max_norm=0.05)
     results = run_workers(tmp_path, world=2, variants=variants, **kw)
     ref_losses, ref_weights = single_reference(world=2, **kw)
     assert_matches_reference(results, ref_losses, ref_weights)
+    assert_host_bytes(results, world=2, flavor=kw["flavor"], accum=1, max_norm=kw["max_norm"])
     assert all(n > kw["max_norm"] for r in results for n in r["grad_norms"])  # it did clip
     for r in results:
         later = r["counters"][-1]  # the step after a clipped one runs that step's updates
-        assert later["host_grad_job_s"] > 0 and later["host_accumulate_s"] > 0
-        assert later["host_clipped_update_s"] > 0 and "host_update_s" not in later
+        assert later["host_grad_job_s"] > 0 and later["host_clipped_update_s"] > 0
+        assert not any("host_accumulate_s" in c or "host_update_s" in c for c in r["counters"])
+    # FP32 delivery moves twice the bytes of the shadow's.
+    assert results[2]["counters"][1]["traffic_h2d_mb"] == pytest.approx(
+        2 * results[1]["counters"][1]["traffic_h2d_mb"])
 
 
 def test_routes_switch_between_steps_in_every_direction(tmp_path):
@@ -153,21 +165,77 @@ def test_routes_switch_between_steps_in_every_direction(tmp_path):
 
 def test_three_ranks_untied_qwen25(tmp_path):
     # Without clipping: updates during backward (the non-finite guard off), and after it (on).
+    # Slowed-down updates outlast backward: what is left runs in the next step's order (or in
+    # arrival order, bit for bit the same) while the next step starts, with the reduced shards
+    # waiting on the device (no shadow: 12 B/param of host memory); on the cpu route each unit
+    # is updated as its sum arrives.
+    slow = {"nonfinite": "off", "update_delay_s": 0.005, "delivery": "replicated"}
+    no_shadow = {**slow, "bf16_shadow": False, "chunk_mib": ODD_CHUNK}
     variants = [{"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK,
                  "nonfinite": "off"},
                 {"delivery": "replicated", "reduction": "cpu", "activation": "keep"},
                 {"activation": "segments(qkv+o_proj)@offload=1",
-                 "activation_blocks": "0:selective@offload=0.37"}]
+                 "activation_blocks": "0:selective@offload=0.37"},
+                no_shadow, {**no_shadow, "update_order": "arrival"},
+                {**slow, "reduction": "cpu"}]
     kw = dict(flavor="qwen2.5-debug", steps=3, accum=1, max_norm=0.0)
     results = run_workers(tmp_path, world=3, variants=variants, **kw)
     ref_losses, ref_weights = single_reference(world=3, **kw)
     assert_matches_reference(results, ref_losses, ref_weights)
     assert_offload_traffic(results)
+    assert_host_bytes(results, world=3, flavor=kw["flavor"], accum=1, max_norm=0.0)
+    assert_bit_identical(results[3], results[4])
+
+    def reported(r, key):  # a step's updates may end after it returns: the next one reports them
+        return any(key in c for c in r["counters"])
+
+    assert reported(results[0], "host_update_s") and not reported(results[1], "host_update_s")
+    assert reported(results[1], "host_clipped_update_s")
     sharded, replicated = (r["counters"][0] for r in results[:2])
-    assert "host_update_s" in sharded and "host_update_s" not in replicated
-    assert "host_clipped_update_s" in results[1]["counters"][1]  # step 1's, after step 1
     assert sharded["traffic_h2d_mb"] * 3 == pytest.approx(replicated["traffic_h2d_mb"])
     assert sharded["traffic_d2h_mb"] * 3 == pytest.approx(replicated["traffic_d2h_mb"])
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    """Two runs that differ only in slidedp.update_order: the same losses, norms and weights,
+    bit for bit."""
+    assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"], (a["variant"],
+                                                                             b["variant"])
+    assert all(torch.equal(a["weights"][n], w) for n, w in b["weights"].items()), b["variant"]
+
+
+@pytest.mark.parametrize("world,accum,max_norm,nonfinite", [(2, 2, 0.5, "stop_consecutive"),
+                                                            (3, 1, 0.5, "stop_consecutive"),
+                                                            (3, 2, 0.0, "off")])
+def test_update_orders_are_bit_identical(tmp_path, world, accum, max_norm, nonfinite):
+    """Slowed-down host updates outlast backward, so what is left is reordered (with the updates
+    during backward; deferred ones wait for the step's norm and run in forward order either
+    way). "next_use" and "arrival" give bit-identical losses, norms and weights, and both equal
+    `single` within BF16 tolerance: clipping with and without accumulation, accumulation
+    without clipping, shadow on and off, both reduction routes."""
+    slow = {"nonfinite": nonfinite, "update_delay_s": 0.005}
+    bases = [{"delivery": "sharded", "reduction": "gpu"},
+             {"delivery": "replicated", "reduction": "gpu", "bf16_shadow": False,
+              "chunk_mib": ODD_CHUNK},
+             {"delivery": "sharded", "reduction": "cpu", "bf16_shadow": False}]
+    variants = [{**slow, **base, "update_order": order}
+                for base in bases for order in ("next_use", "arrival")]
+    kw = dict(flavor="qwen3-debug", steps=3, accum=accum, max_norm=max_norm)
+    results = run_workers(tmp_path, world=world, variants=variants, **kw)
+    ref_losses, ref_weights = single_reference(world=world, **kw)
+    assert_matches_reference(results, ref_losses, ref_weights)
+    assert_host_bytes(results, world=world, flavor=kw["flavor"], accum=accum, max_norm=max_norm)
+    for next_use, arrival in zip(results[::2], results[1::2]):
+        assert_bit_identical(next_use, arrival)
+        # The host update calls (one per chunk), unit by unit: deferred ones in forward order
+        # in both; during backward the orders differ where backward left updates over.
+        orders = next_use["updated_units"], arrival["updated_units"]
+        if max_norm > 0:
+            assert orders[0] == orders[1]
+        else:
+            assert orders[0] != orders[1], next_use["variant"]
+    if max_norm > 0:
+        assert all(n > max_norm for r in results for n in r["grad_norms"])  # it did clip
 
 
 def test_two_ranks_qwen25_activation_policies_with_accumulation_and_clipping(tmp_path):
@@ -242,6 +310,78 @@ def test_layout_shards_partition_every_unit(world):
     assert sum(p.numel for u in layout.units for p in u.params) == get_flavor("qwen2.5-debug").num_params()
 
 
+def host_bytes_per_element(*, shadow: bool, reduction: str, world: int, accum: int,
+                           deferred: bool) -> int:
+    """Issue 10's byte count of the shared host state per element, written out apart from
+    slidedp/host_state.py: 12 B of FP32 master and moments; +2 for the BF16 shadow, which also
+    holds one micro-batch's BF16 gradients while the updates wait for the step's norm (clipping
+    or the non-finite guard); without a shadow +2 for those on the gpu route; +4 for
+    accumulation; +2R on the cpu route, whose staging copies then hold them."""
+    cpu = reduction == "cpu"
+    return (12 + 2 * shadow + 4 * (accum > 1) + 2 * world * cpu
+            + 2 * (deferred and accum == 1 and not shadow and not cpu))
+
+
+def assert_host_bytes(results, *, world: int, flavor: str, accum: int, max_norm: float):
+    """What each variant's ranks mapped (the kernel's count) is what the start-up check
+    (recipes/preflight.py) computed, and the formula above to within the regions' page
+    rounding and the counters."""
+    from recipes.preflight import slidedp_host_bytes
+
+    args = get_flavor(flavor)
+    total = StateLayout(args, world=world).total
+    for r in results:
+        cfg = make_config(r["variant"], accum=accum, max_norm=max_norm)
+        s = cfg.slidedp
+        per_element = host_bytes_per_element(
+            shadow=s.bf16_shadow, reduction=s.reduction, world=world, accum=accum,
+            deferred=max_norm > 0 or cfg.training.nonfinite != "off")
+        mapped = r["host_mapped_bytes"]
+        assert mapped == slidedp_host_bytes(cfg, args, world=world), r["variant"]
+        assert 0 <= mapped - total * per_element <= 8 * 4096, (r["variant"], per_element)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_host_bytes_per_parameter_by_mode(world):
+    """Every mode (clipping or not, the guard or not, shadow on/off, accumulation, both
+    reduction routes): Qwen3-8B's B/param from the plan (what the start-up check uses) equals
+    the formula, at most 14 with clipping and 12 without clipping, guard and shadow (issue 10's
+    targets); and a real mapping of the debug model's state, as the kernel counts it, has the
+    plan's bytes."""
+    from slidedp.config import SlideDPConfig
+    from slidedp.host_state import HostStatePlan, SharedHostState, host_state_bytes
+    from tests.slidedp_worker import mapped_host_state_bytes
+
+    big = get_flavor("qwen3-8B")  # big enough that the padding is below 0.01 B/param
+    layouts = StateLayout(big, world=world), StateLayout(get_flavor("qwen3-debug"), world=world)
+    for shadow in (True, False):
+        for max_norm, nonfinite in ((0.0, "off"), (1.0, "off"), (0.0, "skip"), (1.0, "stop_total")):
+            for accum in (1, 2):
+                for reduction in ("gpu", "cpu"):
+                    cfg = SlideDPConfig(bf16_shadow=shadow, reduction=reduction)
+                    plan = HostStatePlan.for_run(cfg, grad_accum_steps=accum, max_norm=max_norm,
+                                                 nonfinite=nonfinite)
+                    deferred = max_norm > 0 or nonfinite != "off"
+                    expected = host_bytes_per_element(shadow=shadow, reduction=reduction,
+                                                      world=world, accum=accum, deferred=deferred)
+                    per_param = host_state_bytes(layouts[0], plan) / big.num_params()
+                    assert per_param == pytest.approx(expected, abs=0.01), (plan, per_param)
+                    if accum == 1 and reduction == "gpu" and max_norm > 0:
+                        assert per_param < 14.01  # clipping, with the shadow or without
+                    if accum == 1 and reduction == "gpu" and not deferred and not shadow:
+                        assert per_param < 12.01
+                    state = SharedHostState(layouts[1], plan, rank=0, world=world,
+                                            share=lambda s: s, barrier=lambda: None, pin=False)
+                    try:
+                        assert mapped_host_state_bytes() == host_state_bytes(layouts[1], plan)
+                        # Every region but the counters is per element.
+                        per_element = sum(t.nbytes for name, t in state.regions.items()
+                                          if name != "control") / layouts[1].total
+                        assert per_element == expected, plan
+                    finally:
+                        state.close()
+
+
 def test_clipped_update_between_steps_is_counted_in_the_next():
     """Step t's clipped update runs after step t returns; if it ends before step t+1 starts, its
     host time is still reported by step t+1."""
@@ -262,6 +402,61 @@ def test_clipped_update_between_steps_is_counted_in_the_next():
     assert "host_clipped_update_s" not in first.extra
     assert second.extra["host_clipped_update_s"] > 0
     assert second.extra["host_grad_job_s"] > 0
+
+
+@pytest.mark.parametrize("order", ["next_use", "arrival"])
+def test_updates_left_after_backward_run_in_the_next_steps_order(order):
+    """With a slow CPU update (a delay injected into every update) most updates are still queued
+    when backward ends. train_step returns once the gradients are home; in "next_use" order the
+    embedding, which the next forward needs first, is updated first, and the next step's first
+    delivery passes its version gate while the last blocks' updates are still running. In
+    "arrival" order the embedding's update comes last: the next step waits for the whole queue.
+    Either way every unit is updated once per step, and the run equals `single`."""
+    from slidedp.engine import SlideDPBackend
+    from tests.slidedp_worker import slow_down_updates
+
+    kw = dict(flavor="qwen3-debug", steps=3, accum=1, max_norm=0.0)
+    args = get_flavor(kw["flavor"])
+    config = make_config({"nonfinite": "off", "update_order": order}, accum=1, max_norm=0.0)
+    backend = SlideDPBackend(config, args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    updates, gates, losses, rows = [], {}, [], []
+    slow_down_updates(backend, 0.05, updates)
+    wait_version = backend.delivery.wait_version
+
+    def gate(unit, version):  # when each delivery's gate opened
+        wait_version(unit, version)
+        gates[unit.index, version] = time.perf_counter()
+
+    backend.delivery.wait_version = gate
+    try:
+        for micro in global_batches(steps=3, accum=1, batch=2, seq=16, vocab=args.vocab_size,
+                                    seed=7):
+            ntok = sum(int((y != -100).sum()) for _, y in micro)
+            result = backend.train_step(micro, lr=1e-3, global_target_tokens=ntok)
+            losses.append(result.loss_sum / ntok)
+            rows.append(result.extra)
+        weights = {n: t.clone() for n, t in backend.named_master_parameters()}
+    finally:
+        backend.close()
+    n_units = len(backend.layout.units)
+    steps = [updates[i:i + n_units] for i in range(0, len(updates), n_units)]
+    assert len(steps) == 3 and all(sorted(u for u, _, _ in s) == list(range(n_units))
+                                   for s in steps)
+    first = steps[0]
+    embed_end = next(end for u, _, end in first if u == 0)
+    last_end = max(end for _, _, end in first)
+    next_forward = gates[0, 1]  # step 2's delivery of the embedding
+    if order == "next_use":
+        assert embed_end < last_end and next_forward < last_end
+        # The embedding's gradient comes home last; from then on the updates go block by block.
+        late = [u for u, _, end in first if end >= embed_end]
+        assert late == sorted(late)
+    else:
+        assert first[-1][0] == 0 and next_forward >= last_end
+    assert "update_tail_s" in rows[1] and rows[0]["update_wait_s"] < 0.05 * n_units
+    ref_losses, ref_weights = single_reference(world=1, **kw)
+    assert_matches_reference([{"variant": order, "losses": losses, "weights": weights}],
+                             ref_losses, ref_weights)
 
 
 def test_activation_policies_switch_between_steps():
@@ -316,7 +511,7 @@ from slidedp.host_state import HostStatePlan, SharedHostState
 from slidedp.layout import StateLayout
 args = QwenArgs(family="qwen3", dim=512, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64,
                 hidden_dim=1536, vocab_size=32768, qk_norm=True, qkv_bias=False, tie_embeddings=False)
-plan = HostStatePlan(bf16_shadow=True, grad_accum=False, cpu_staging=False)
+plan = HostStatePlan(bf16_shadow=True, grad_bf16=False, grad_accum=False, cpu_staging=False)
 state = SharedHostState(StateLayout(args, world=1), plan, rank=0, world=1, share=lambda s: s,
                         barrier=lambda: None, pin=False)
 state.master.fill_(1.0)

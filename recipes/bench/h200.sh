@@ -9,6 +9,7 @@
 #         policies4b policies4bmore policies4bslidedp (Qwen3-4B: both references and FSDP2 over its checkpointing;
 #         SlideDP's policies)
 #         long context: long4b long8b (one 262,144-token sequence, YaRN x8 over 32,768)
+#         host memory and the update order (one H200): clip8b tail4b
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         (each appends to OUT_DIR/runs.jsonl; traces go to OUT_DIR).
@@ -33,8 +34,7 @@ largest() {
 # long_context FLAVOR: one 262,144-token sequence. Qwen3's cards give YaRN x4 over 32,768 native
 # positions for 131,072; 262,144 takes x8 (our choice, beyond the 131,072 Qwen validated). Full
 # recompute (the block-boundary states alone are 2 x dim bytes/token/block: 45 GiB for 4B, 72 GiB
-# for 8B), no clipping (with it 8B's host state is 18 B/param, more than the 1-GPU machine's
-# 128 GiB), one timed step without warm-up: a step takes minutes.
+# for 8B), no clipping, one timed step without warm-up: a step takes minutes.
 long_context() {
   timeout 590 "${bench[@]}" --mode slidedp --kernels liger --flavor "$1" --seq 262144 \
     --rope-scaling-type yarn --rope-scaling-factor 8 --original-max-position-embeddings 32768 \
@@ -159,6 +159,25 @@ for stage in "$@"; do
       "${sd[@]}" --activation-blocks "0-15:keep" --label keep0-15 --points recompute:16 selective:16 ;;
     long4b) long_context qwen3-4B ;;
     long8b) long_context qwen3-8B ;;
+    # Qwen3-8B with clipping at the default max_norm 1.0 (no accumulation) on the one-H200
+    # machine (128 GiB of RAM): the host state is 14 B/param, 106.8 GiB, where an FP32 gradient
+    # buffer made it 18 (137 GiB); with the shadow (also 14 without it, which doubles the H2D
+    # bytes). The start-up check is on (no --no-memory-check): the "[slidedp] host state" line
+    # prints the B/param and MemAvailable, each row has host_state_bytes_per_param and
+    # peak_rss_gib. 16 sequences, the first 9 blocks keep (8.4 GiB each on the fused kernels),
+    # the others recompute, then selective (about 108 and 121 GiB allocated, by the measured
+    # bytes per token).
+    clip8b) timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 \
+              --activation-blocks "0-8:keep" --points recompute:16 selective:16 --label clip1-keep0-8 ;;
+    # The small-batch tail: Qwen3-4B, keep, 1 and 2 sequences, no clipping, each point in both
+    # update orders in one build. "arrival" runs the host updates as the gradients came home, so
+    # the embedding's, which the next forward needs first, runs last (the order before
+    # slidedp.update_order); "next_use" runs what backward left embedding first, so the next
+    # forward overlaps it. Rows: update_order, step_time_s, update_tail_s (end of a step's compute
+    # to its last update), update_wait_s, host_delivery_wait_s (the forward's waits for
+    # deliveries, version gates included).
+    tail4b) timeout 240 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0 \
+              --no-memory-check --points keep:1,2 --update-order arrival,next_use --steps 3 --label tail ;;
     # FSDP2 with torchtitan's op-level selective checkpointing, and with CPUOffloadPolicy (the
     # sharded FP32 state in host memory, AdamW on the CPU after backward: 8B fits one H200 then).
     sac4b) run --mode fsdp2 --ac selective --batches 2,4,8 --kernels liger --flavor qwen3-4B ;;

@@ -41,6 +41,7 @@ from recipes.baselines.activation_checkpoint import apply_activation_checkpointi
 from recipes.parallelize import build_backend, build_kernels
 from recipes.preflight import check_mode_options, check_seq_len
 from recipes.train import SyntheticBatches, process_group_backend
+from slidedp.update_order import UPDATE_ORDERS
 
 
 class _Reference:
@@ -83,17 +84,21 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.model.original_max_position_embeddings = a.original_max_position_embeddings
     cfg.training.seq_len, cfg.training.max_norm = a.seq, a.max_norm
     cfg.training.nonfinite = a.nonfinite
+    # The host state must hold the largest accumulation run (SlideDP's FP32 buffer); DeepSpeed
+    # takes one count (checked in main).
+    cfg.training.grad_accum_steps = max(int(n) for n in a.accum.split(","))
     cfg.training.init_on_meta = a.mode != "deepspeed"  # DeepSpeed partitions a built model
     cfg.activation_checkpoint.mode = a.ac
     cfg.parallelism.fsdp_cpu_offload = a.mode == "fsdp2" and a.fsdp_cpu_offload
     if a.mode == "deepspeed":  # its engine is configured for one micro-batch shape
         cfg.training.local_batch_size = int(a.batches.split(",")[0])
-        cfg.training.grad_accum_steps = int(a.accum)
         cfg.deepspeed.zero_stage, cfg.deepspeed.cpu_threads = a.zero_stage, a.ds_threads
     cfg.slidedp.delivery, cfg.slidedp.reduction = route.split("/")
     cfg.slidedp.activation, cfg.slidedp.keep_blocks = a.activation, a.keep_blocks
     cfg.slidedp.activation_blocks = a.activation_blocks
     cfg.slidedp.window_slots, cfg.slidedp.chunk_mib = a.slots, a.chunk_mib
+    cfg.slidedp.bf16_shadow = not a.no_shadow
+    cfg.slidedp.update_order = a.update_order.split(",")[0]
     cfg.slidedp.check_host_memory = not a.no_memory_check
     return cfg
 
@@ -139,6 +144,12 @@ def main() -> None:
     p.add_argument("--accum", default="1",
                    help="slidedp/fsdp2: list of micro-batch counts each local batch is split "
                         "into (deepspeed: one count)")
+    p.add_argument("--no-shadow", action="store_true",
+                   help="slidedp: no BF16 shadow (slidedp.bf16_shadow = false: FP32 delivery, "
+                        "cast on the GPU)")
+    p.add_argument("--update-order", default="next_use",
+                   help="slidedp: list of slidedp.update_order values (next_use, arrival), each "
+                        "point run in each, one after the other, in the same build")
     p.add_argument("--no-memory-check", action="store_true",
                    help="slidedp: skip the MemAvailable check (VMs whose memory grows on demand)")
     p.add_argument("--warmup", type=int, default=1)
@@ -161,6 +172,8 @@ def main() -> None:
         check_mode_options(_config(a, "sharded/gpu"))  # e.g. deepspeed not installed
         if a.mode == "deepspeed" and "," in a.accum:
             raise ConfigError("--accum: deepspeed takes one micro-batch count per build")
+        if set(a.update_order.split(",")) - set(UPDATE_ORDERS):
+            raise ConfigError(f"--update-order: each one of {', '.join(UPDATE_ORDERS)}")
     except ConfigError as e:
         p.error(str(e))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -184,23 +197,26 @@ def main() -> None:
         print(f"[bench] {a.mode} {a.flavor} built in {time.perf_counter() - t0:.1f}s; "
               f"{kernels.describe()} -> {attention_op}", flush=True)
     specs = a.points or [f"{a.activation}:{a.batches}"]
-    points = [(policy, int(b), int(n)) for spec in specs for policy, batches in [spec.split(":")]
-              for b in batches.split(",") for n in a.accum.split(",")]
+    orders = a.update_order.split(",") if a.mode == "slidedp" else [None]
+    points = [(policy, int(b), int(n), order) for spec in specs
+              for policy, batches in [spec.split(":")] for b in batches.split(",")
+              for n in a.accum.split(",") for order in orders]
     for route in routes:
         if a.mode == "slidedp":
             backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
-        for policy, batch, accum in points:
+        for policy, batch, accum, order in points:
             if a.mode == "slidedp":
+                backend.set_update_order(order)
                 backend.set_activation(default=policy, blocks=a.activation_blocks,
                                        keep_blocks=a.keep_blocks)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
             times, extras, traced = [], [], {}
-            # With clipping, SlideDP runs step t's update during step t+1: the warm-up must hold
-            # one whole update cycle (the first also faults in the Adam moments' host pages).
-            deferred = a.max_norm > 0 or a.nonfinite != "off"
-            warmup = a.warmup + (a.mode == "slidedp" and deferred)
+            # SlideDP's host updates of step t run on during step t+1 (all of them with
+            # clipping): the warm-up must hold one whole update cycle (the first also faults in
+            # the Adam moments' host pages).
+            warmup = a.warmup + (a.mode == "slidedp")
             n_timed = warmup + a.steps
             # The traced step (rank 0 profiles) comes after the timed ones: its overhead stays out.
             trace = bool(a.trace_dir) and a.trace_batch in (0, batch)
@@ -235,6 +251,10 @@ def main() -> None:
                    "ac": a.ac if a.mode != "slidedp" else policy,
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
                    "activation_blocks": a.activation_blocks if a.mode == "slidedp" else None,
+                   "bf16_shadow": not a.no_shadow if a.mode == "slidedp" else None,
+                   "update_order": order,
+                   **({"host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
+                      if a.mode == "slidedp" else {}),
                    **({"fsdp_cpu_offload": a.fsdp_cpu_offload} if a.mode == "fsdp2" else {}),
                    **({"zero_stage": a.zero_stage} if a.mode == "deepspeed" else {}),
                    "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
@@ -244,7 +264,10 @@ def main() -> None:
                                 flops_per_token=args.flops_per_token(a.seq), world=world,
                                 on_cuda=device.type == "cuda"),
                    **memory(device),
-                   **{k: statistics.mean(e[k] for e in extras) for k in (extras[0] if extras else {})},
+                   # A step reports a key only when it has one (update_tail_s: when a step's
+                   # updates all ended), so each mean is over the steps that have it.
+                   **{k: statistics.mean(e[k] for e in extras if k in e)
+                      for k in dict.fromkeys(k for e in extras for k in e)},
                    **traced}
             if rank == 0:
                 emit("bench", row, a.out)
@@ -261,6 +284,8 @@ def system_name(row: dict) -> str:
         name += " cpu-offload"
     if row.get("zero_stage"):
         name += f" ZeRO-{row['zero_stage']}"
+    if row.get("update_order") == "arrival":  # not the default slidedp.update_order
+        name += " arrival"
     return name + (f" {row['label']}" if row.get("label") else "")
 
 
