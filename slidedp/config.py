@@ -37,9 +37,9 @@ class SlideDPConfig:
     """Shorthand: the first N blocks keep (before activation_blocks applies)."""
     cpu_threads: int = 0
     """CPU Adam threads per rank; 0 = this rank's share of the host's cores."""
-    update_order: UpdateOrderName = "next_use"
-    """Which returned gradient's update runs first: "next_use" (the unit the next step needs
-    first, so its forward overlaps the updates backward left) or "arrival" (as they came home)."""
+    update_order: UpdateOrderName = "arrival"
+    """Which runnable update runs first: "arrival" (as the gradients came home; the faster on the
+    H200, docs/PERFORMANCE.md) or "next_use" (the unit the next step needs first)."""
     bf16_shadow: bool = True
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
     as the delivery source (half the H2D bytes; without it the FP32 master is copied and cast on

@@ -9,14 +9,15 @@ global norm is known too), and an `UpdateOrder` picks which runnable update runs
 is still updated exactly once per step, and the version gates hold each of the next step's
 deliveries until its own unit's update is done, so the order changes timing, never results.
 
-- `next_use` (the default): the unit the next step needs first. The next step uses the units in
+- `next_use`: the unit the next step needs first. The next step uses the units in
   index order (embedding, block 0, 1, ..., head: slidedp/schedule.py), while backward returns
   them head first; so what is left when backward ends, in the host-bound regime most of the
   updates, runs embedding first, and the next step's forward follows the updates unit by unit
   through the version gates instead of waiting for the whole queue.
-- `arrival`: in the order the gradients came home, each update as early as possible: when
-  backward ends the embedding's update, needed first, is the last in line (the order before
-  `next_use` existed).
+- `arrival` (the default): in the order the gradients came home, each update as early as
+  possible: when backward ends the embedding's update, needed first, is the last in line. On the
+  H200 (Qwen3-4B, docs/PERFORMANCE.md) `next_use` did not shorten the small-batch step (1 and 2
+  sequences: within 3%) and was 13% slower at 8 sequences, so `arrival` stays the default.
 """
 
 import threading

@@ -176,9 +176,12 @@ def test_fused_loss_and_every_gradient_equal_the_plain_path(args):
 @pytest.mark.parametrize("flavor", ["qwen3-debug", "qwen2.5-debug"])
 def test_slidedp_on_the_fused_path_equals_single_on_the_fused_path(tmp_path, flavor):
     """Every activation policy on liger's kernels (custom autograd Functions; without QK-norm
-    its RoPE works in place), offload on its CUDA stream."""
+    its RoPE works in place), offload on its CUDA stream; without the BF16 shadow too."""
     variants = [{"activation": "recompute"}, {"activation": "keep", "window_slots": 2},
-                {"activation": "selective", "keep_blocks": 1}, *POLICY_VARIANTS]
+                {"activation": "selective", "keep_blocks": 1}, *POLICY_VARIANTS,
+                # FP32 delivery cast on the GPU, gradients held in registered host memory
+                {"activation": "recompute", "bf16_shadow": False},
+                {"activation": "keep", "bf16_shadow": False, "update_order": "arrival"}]
     kw = dict(flavor=flavor, steps=3, accum=2, max_norm=0.5, device="cuda", kernels="liger")
     results = run_workers(tmp_path, world=1, variants=variants, **kw)
     ref_losses, ref_weights = single_reference(world=1, **kw)

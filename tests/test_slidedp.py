@@ -165,8 +165,8 @@ def test_routes_switch_between_steps_in_every_direction(tmp_path):
 
 def test_three_ranks_untied_qwen25(tmp_path):
     # Without clipping: updates during backward (the non-finite guard off), and after it (on).
-    # Slowed-down updates outlast backward: what is left runs in the next step's order (or in
-    # arrival order, bit for bit the same) while the next step starts, with the reduced shards
+    # Slowed-down updates outlast backward: what is left runs in arrival order (or in the next
+    # step's order, bit for bit the same) while the next step starts, with the reduced shards
     # waiting on the device (no shadow: 12 B/param of host memory); on the cpu route each unit
     # is updated as its sum arrives.
     slow = {"nonfinite": "off", "update_delay_s": 0.005, "delivery": "replicated"}
@@ -176,7 +176,7 @@ def test_three_ranks_untied_qwen25(tmp_path):
                 {"delivery": "replicated", "reduction": "cpu", "activation": "keep"},
                 {"activation": "segments(qkv+o_proj)@offload=1",
                  "activation_blocks": "0:selective@offload=0.37"},
-                no_shadow, {**no_shadow, "update_order": "arrival"},
+                no_shadow, {**no_shadow, "update_order": "next_use"},
                 {**slow, "reduction": "cpu"}]
     kw = dict(flavor="qwen2.5-debug", steps=3, accum=1, max_norm=0.0)
     results = run_workers(tmp_path, world=3, variants=variants, **kw)

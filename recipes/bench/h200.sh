@@ -168,7 +168,8 @@ for stage in "$@"; do
     # the others recompute, then selective (about 108 and 121 GiB allocated, by the measured
     # bytes per token).
     clip8b) timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 \
-              --activation-blocks "0-8:keep" --points recompute:16 selective:16 --label clip1-keep0-8 ;;
+              --activation-blocks "0-8:keep" --points recompute:16 selective:16 \
+              "segments(qkv+attention_core+o_proj+mlp_up+down_proj):5,6" --label clip1-keep0-8 ;;
     # The small-batch tail: Qwen3-4B, keep, 1 and 2 sequences, no clipping, each point in both
     # update orders in one build. "arrival" runs the host updates as the gradients came home, so
     # the embedding's, which the next forward needs first, runs last (the order before
@@ -177,7 +178,8 @@ for stage in "$@"; do
     # to its last update), update_wait_s, host_delivery_wait_s (the forward's waits for
     # deliveries, version gates included).
     tail4b) timeout 240 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0 \
-              --no-memory-check --points keep:1,2 --update-order arrival,next_use --steps 3 --label tail ;;
+              --no-memory-check --points keep:1,2 "segments(qkv+attention_core+o_proj+mlp_up+down_proj):8" \
+              --update-order arrival,next_use --steps 3 --label tail ;;
     # FSDP2 with torchtitan's op-level selective checkpointing, and with CPUOffloadPolicy (the
     # sharded FP32 state in host memory, AdamW on the CPU after backward: 8B fits one H200 then).
     sac4b) run --mode fsdp2 --ac selective --batches 2,4,8 --kernels liger --flavor qwen3-4B ;;

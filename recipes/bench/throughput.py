@@ -147,7 +147,7 @@ def main() -> None:
     p.add_argument("--no-shadow", action="store_true",
                    help="slidedp: no BF16 shadow (slidedp.bf16_shadow = false: FP32 delivery, "
                         "cast on the GPU)")
-    p.add_argument("--update-order", default="next_use",
+    p.add_argument("--update-order", default="arrival",
                    help="slidedp: list of slidedp.update_order values (next_use, arrival), each "
                         "point run in each, one after the other, in the same build")
     p.add_argument("--no-memory-check", action="store_true",
@@ -284,8 +284,8 @@ def system_name(row: dict) -> str:
         name += " cpu-offload"
     if row.get("zero_stage"):
         name += f" ZeRO-{row['zero_stage']}"
-    if row.get("update_order") == "arrival":  # not the default slidedp.update_order
-        name += " arrival"
+    if row.get("update_order") == "next_use":  # not the default slidedp.update_order
+        name += " next_use"
     return name + (f" {row['label']}" if row.get("label") else "")
 
 
