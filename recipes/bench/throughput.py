@@ -90,8 +90,11 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.training.init_on_meta = a.mode != "deepspeed"  # DeepSpeed partitions a built model
     cfg.activation_checkpoint.mode = a.ac
     cfg.parallelism.fsdp_cpu_offload = a.mode == "fsdp2" and a.fsdp_cpu_offload
-    if a.mode == "deepspeed":  # its engine is configured for one micro-batch shape
-        cfg.training.local_batch_size = int(a.batches.split(",")[0])
+    # The first point's batch: SlideDP's start-up report (activation bytes per block, the offload
+    # pool) is for it, and DeepSpeed's engine is configured for that one micro-batch shape.
+    cfg.training.local_batch_size = int((a.points[0].split(":")[1] if a.points
+                                         else a.batches).split(",")[0])
+    if a.mode == "deepspeed":
         cfg.deepspeed.zero_stage, cfg.deepspeed.cpu_threads = a.zero_stage, a.ds_threads
     cfg.slidedp.delivery, cfg.slidedp.reduction = route.split("/")
     cfg.slidedp.activation, cfg.slidedp.keep_blocks = a.activation, a.keep_blocks
