@@ -38,6 +38,15 @@ class SlideDPConfig:
     bf16_shadow: bool = True
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
     so delivery is a plain copy (2 bytes/param more host memory, half the cast work)."""
+    autopolicy: bool = False
+    """Choose the routes, chunk, slots and per-block activation policies at start by measuring
+    this machine (AutoPolicy: a few steps with lr = 0, then the optimizer state is reset); the
+    choice is written to <job.dump_folder>/slidedp_policy.toml, which `policy_file` loads."""
+    autopolicy_candidates: str = ""
+    """The per-block policies AutoPolicy screens, comma-separated (empty: its default set of
+    keep, recompute, selective, op-level saves and segment masks, each with offload 0, 0.5, 1)."""
+    policy_file: str = ""
+    """A TOML file with a [slidedp] table (AutoPolicy writes one) whose keys replace these."""
     check_host_memory: bool = True
     """Refuse to start when the host state and the ranks' activation offload pools exceed
     MemAvailable (off for VMs whose memory grows on demand and under-reports at start)."""

@@ -26,6 +26,7 @@ run during backward, unit by unit, as soon as each gradient is home.
 """
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -50,7 +51,7 @@ from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Off
 from slidedp.delivery import Delivery
 from slidedp.host_state import (HostStatePlan, SharedHostState, StepAborted, available_host_bytes,
                                 host_state_bytes)
-from slidedp.layout import SHARD_ALIGN, StateLayout, Unit
+from slidedp.layout import StateLayout, Unit, chunk_elems
 from slidedp.save_gate import SaveGate
 from slidedp.schedule import Use, plan_micro_batch
 from slidedp.state_file import load_shards, read_master, save_shards
@@ -108,7 +109,7 @@ class SlideDPBackend:
             # Create each communicator now, from one thread, rather than lazily inside two
             # worker threads at once.
             dist.all_reduce(torch.zeros(1, device=device), group=group)
-        self.chunk = max(SHARD_ALIGN, int(cfg.chunk_mib * 2**20 / 2) // SHARD_ALIGN * SHARD_ALIGN)
+        self.chunk = chunk_elems(cfg.chunk_mib)
         self.streams = Streams(device)
         self.traffic = Traffic()
         threads = cfg.cpu_threads or cpu_adam.default_num_threads(local_world=self.local_world)
@@ -151,13 +152,17 @@ class SlideDPBackend:
 
     # ---- set-up -------------------------------------------------------------------------------
 
-    def set_routes(self, *, delivery: str, reduction: str) -> None:
+    def set_routes(self, *, delivery: str, reduction: str, chunk_mib: float | None = None) -> None:
         """Switch the parameter and gradient routes between steps; the host state is untouched
-        (the CPU route needs its staging region, allocated when slidedp.reduction = "cpu")."""
+        (the CPU route needs its staging region, allocated when slidedp.reduction = "cpu").
+        `chunk_mib` changes the chunk of the copy and update pipelines as well."""
         if reduction == "cpu" and not self.state.plan.cpu_staging:
             raise ValueError("reduction='cpu' needs the host staging region: start with "
                              "slidedp.reduction = 'cpu'")
         self._drain()
+        if chunk_mib is not None:
+            self.chunk = chunk_elems(chunk_mib)
+            self.cfg = dataclasses.replace(self.cfg, chunk_mib=chunk_mib)
         self.delivery = Delivery(self.state, self.streams, route=delivery, rank=self.rank,
                                  world=self.world, group=self._gather_group,
                                  chunk_elems=self.chunk, traffic=self.traffic)
@@ -167,6 +172,37 @@ class SlideDPBackend:
                                           traffic=self.traffic,
                                           max_unit=max(u.padded for u in self.layout.units),
                                           threads=self.optimizer.threads)
+
+    def set_window_slots(self, slots: int) -> None:
+        """Change the number of GPU block slots between steps (slidedp.window_slots): the slots
+        are allocated anew and the next step delivers every block."""
+        if slots < 2:
+            raise ValueError(f"slidedp.window_slots must be >= 2, got {slots}")
+        self._drain()
+        Streams.synchronize(self.streams.record())  # no kernel or copy uses a slot any more
+        old = self.cfg.window_slots
+        del self.buffers[:old]  # the same list: WeightRefs resolves through it
+        self.buffers[:0] = [torch.empty(self.layout.block_padded, dtype=torch.bfloat16,
+                                        device=self.device) for _ in range(slots)]
+        self.cfg = dataclasses.replace(self.cfg, window_slots=slots)
+        # The saved-tensor hooks know the buffers by address: the new ones too.
+        self.weight_refs = WeightRefs(self.buffers, lambda u: self.buffers[self._unit_buffer[u]])
+        self._last_release = {b: None for b in range(len(self.buffers))}
+        self._resident = {}
+
+    def reset_optimizer(self) -> None:
+        """The optimizer state of a fresh start, weights untouched: this rank's Adam moments
+        zero, Adam's step count and the step counter 0 (AutoPolicy measures with lr = 0, which
+        leaves the weights as they were but moves the moments)."""
+        self._drain()
+        self._barrier()  # no peer's delivery reads our version counters any more
+        for unit in self.layout.units:
+            lo, hi = unit.shard(self.rank, self.world)
+            for region in ("exp_avg", "exp_avg_sq"):
+                self.state.unit_view(region, unit.index, lo, hi).zero_()
+            self.state.version[unit.index, self.rank] = 0
+        self.steps_done = self.adam_steps = 0
+        self._barrier()
 
     def set_activation(self, *, default: str, blocks: str = "", keep_blocks: int = 0) -> None:
         """Set the per-block activation policies, as the [slidedp] keys `activation`,

@@ -19,6 +19,11 @@ from models.qwen import QwenModel
 SHARD_ALIGN = 128
 
 
+def chunk_elems(chunk_mib: float) -> int:
+    """BF16 elements in a chunk of `chunk_mib` MiB (slidedp.chunk_mib), whole SHARD_ALIGNs."""
+    return max(SHARD_ALIGN, int(chunk_mib * 2**20 / 2) // SHARD_ALIGN * SHARD_ALIGN)
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """One parameter inside its unit's flat range."""

@@ -217,6 +217,8 @@ def main() -> None:
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
                    "activation_blocks": a.activation_blocks if a.mode == "slidedp" else None,
                    "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
+                   "slots": a.slots if a.mode == "slidedp" else None,
+                   "chunk_mib": a.chunk_mib if a.mode == "slidedp" else None,
                    "world": world, "seq": a.seq, "local_batch": batch, "accum": accum,
                    "max_norm": a.max_norm, "nonfinite": a.nonfinite, "step_time_s": step_time,
                    **throughput(global_tokens=batch * a.seq * world, step_time=step_time,

@@ -1,0 +1,127 @@
+"""`python -m slidedp.plan` and `python -m slidedp.probe` (slidedp/plan/): every configuration
+plans, the shipped rates files load, the policy file round-trips through the configuration, the
+probe's cache, and the model against recorded runs."""
+
+import subprocess
+import sys
+
+import pytest
+
+from recipes.bench.model_check import check
+from recipes.config import ConfigError, parse_config, resolve_model
+from slidedp.activations import block_policies, parse_policy
+from slidedp.plan.cli import Job, plan_text
+from slidedp.plan.policy_file import policy_settings, write_policy_file
+from slidedp.plan.rates import SHIPPED, load_rates, model_key
+from tests.conftest import REPO, subprocess_env
+
+CONFIGS = sorted(p.name for p in (SHIPPED.parents[2] / "train_configs").glob("*.toml"))
+
+
+def job_of(*flags: str) -> Job:
+    config = parse_config(list(flags))
+    return Job(config, *resolve_model(config))
+
+
+@pytest.mark.parametrize("rates", ["h200", "h200x2"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_plans(name, rates, tmp_path):
+    job = job_of(f"--job.config_file=train_configs/{name}", f"--job.dump_folder={tmp_path}")
+    text = "\n".join(plan_text(job, load_rates(rates), world=load_rates(rates).machine.devices))
+    if job.config.parallelism.mode == "slidedp":
+        assert "predicted step:" in text and "bottleneck: " in text and "what would move it: " in text
+        assert "host memory:" in text and "GPU memory per rank:" in text
+    else:
+        assert "compute alone" in text and "GPU memory per rank:" in text
+    if name.startswith("h200_") and rates == "h200x2":  # these ran on 2 x H200 (docs/PERFORMANCE.md)
+        assert "DOES NOT FIT" not in text
+
+
+def test_shipped_rates_files_say_where_their_figures_come_from():
+    names = {p.stem for p in SHIPPED.glob("*.json")}
+    assert {"h200", "h200x2", "rtx4090x4", "a800x8_nvlink", "a800x8_pcie", "h100x4"} <= names
+    for name in names:
+        machine = load_rates(name).machine
+        assert machine.source in ("recorded", "spec") and len(machine.note) > 100
+        assert ("NOT measured" in machine.note) == (machine.source == "spec")
+    with pytest.raises(FileNotFoundError, match="shipped: .*h200x2"):
+        load_rates("no-such-machine")
+
+
+def test_model_against_recorded_runs():
+    """A guard on the check reported in docs/PERFORMANCE.md: the recorded SlideDP and reference
+    rows of one lease per machine within 10% (rates from those machines' logs)."""
+    for rows, rates in (("h200_call3", "h200"), ("h200x2_call9", "h200x2")):
+        lines, errors = check([f"{REPO}/docs/results/{rows}_runs.jsonl"], load_rates(rates))
+        assert len(errors) >= 8 and max(abs(e) for e in errors) < 0.10, "\n".join(lines)
+
+
+def test_policy_file_round_trip(tmp_path):
+    n = 4
+    policies = [parse_policy(p) for p in ("keep", "selective@offload=0.5", "recompute", "recompute")]
+    settings = policy_settings(delivery="replicated", reduction="gpu", window_slots=4, chunk_mib=8,
+                               bf16_shadow=False, policies=policies)
+    path = tmp_path / "policy.toml"
+    write_policy_file(path, settings, comments=["a test"])
+    config = parse_config(["--job.config_file=train_configs/debug_cpu.toml",
+                           "--parallelism.mode=slidedp", "--slidedp.activation=keep",
+                           f"--slidedp.policy_file={path}"])
+    s = config.slidedp
+    assert (s.delivery, s.window_slots, s.chunk_mib, s.bf16_shadow) == ("replicated", 4, 8.0, False)
+    assert block_policies(n, default=s.activation, blocks=s.activation_blocks,
+                          keep_blocks=s.keep_blocks) == policies
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[training]\nsteps = 3\n", "must hold one [slidedp] table"),
+    ("[slidedp]\nwindow_slotz = 3\n", "unknown key slidedp.window_slotz"),
+    ("[slidedp]\nwindow_slots = 1\n", "slidedp.window_slots must be >= 2"),
+    ("[slidedp]\nactivation = \"keepish\"\n", "unknown activation policy"),
+    ("[slidedp\n", "invalid TOML"),
+])
+def test_bad_policy_files_are_one_line(tmp_path, content, message):
+    path = tmp_path / "policy.toml"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--parallelism.mode=slidedp", f"--slidedp.policy_file={path}"])
+    assert str(info.value).startswith("slidedp.policy_file") or "slidedp.activation" in str(info.value)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def plan_cli(tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slidedp.plan", "train_configs/debug_cpu.toml",
+                           "--parallelism.mode=slidedp", f"--job.dump_folder={tmp_path}/out",
+                           "--slidedp.autopolicy_candidates=keep, recompute", *flags],
+                          cwd=REPO, env=subprocess_env(SLIDEDP_RATES_DIR=str(tmp_path / "rates")),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_plan_probes_this_machine_once_then_reads_the_cache(tmp_path):
+    first = plan_cli(tmp_path, "--search", f"--out={tmp_path}/chosen.toml")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "[probe] measuring this machine (1 rank(s) on cpu)" in first.stdout
+    assert "block under keep: forward" in first.stdout and "(rates measured here)" in first.stdout
+    cached = list((tmp_path / "rates").glob("*--qwen3-d64-l4-*-torch.json"))
+    assert len(cached) == 1 and (tmp_path / "rates" / (cached[0].name.split("--")[0] + ".json")).is_file()
+    second = plan_cli(tmp_path)
+    assert second.returncode == 0 and "[probe]" not in second.stdout
+    predicted = [line for line in first.stdout.splitlines() if line.startswith("predicted step")]
+    assert predicted and predicted == [l for l in second.stdout.splitlines() if l.startswith("predicted step")]
+    # --search wrote a policy file that a run loads.
+    assert "search (the model alone, nothing measured):" in first.stdout
+    config = parse_config(["--parallelism.mode=slidedp", f"--slidedp.policy_file={tmp_path}/chosen.toml"])
+    assert config.slidedp.policy_file.endswith("chosen.toml")
+
+
+def test_plan_errors_are_one_line(tmp_path):
+    proc = plan_cli(tmp_path, "--rates=no-such-machine")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --rates: no rates file")
+    proc = plan_cli(tmp_path, "--slidedp.window_slots=1", "--rates=h200")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: slidedp.window_slots must be >= 2, got 1"
+
+
+def test_the_cache_is_keyed_by_model_and_kernels():
+    from models.flavors import FLAVORS
+
+    keys = {model_key(FLAVORS[f], k) for f in ("qwen3-4B", "qwen3-8B") for k in ("torch", "liger")}
+    assert len(keys) == 4
