@@ -18,6 +18,7 @@ import torch
 from models.args import QwenArgs, RopeScaling
 from models.flavors import FLAVORS
 from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
+from recipes.baselines.activation_checkpoint import ACMode
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
 from slidedp.activations import block_policies
 from slidedp.config import SlideDPConfig
@@ -87,8 +88,8 @@ class Training:
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the output head + cross-entropy (bounds the logits' memory)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
-    """Compute dtype of single and fsdp2 (slidedp computes in BF16); master weights and optimizer
-    state are always FP32."""
+    """Compute dtype of single and fsdp2 (slidedp and deepspeed compute in BF16); master weights
+    and optimizer state are always FP32."""
     init_on_meta: bool = False
     """Create weights on the meta device, init them in place after sharding (fast; fsdp2)."""
     nonfinite: Literal["stop_consecutive", "stop_total", "skip", "off"] = "stop_consecutive"
@@ -124,14 +125,41 @@ class LRScheduler:
 
 @dataclass
 class Parallelism:
-    mode: Literal["single", "fsdp2", "slidedp"] = "single"
-    """single: one device; fsdp2: torch FSDP2 on the GPUs; slidedp: host-resident, streamed."""
+    mode: Literal["single", "fsdp2", "deepspeed", "slidedp"] = "single"
+    """single: one device; fsdp2: torch FSDP2 on the GPUs; deepspeed: DeepSpeed ZeRO-Offload
+    (the [deepspeed] section); slidedp: host-resident, streamed."""
+    fsdp_cpu_offload: bool = False
+    """fsdp2: FSDP2's CPUOffloadPolicy: FP32 shards, gradients and Adam state in host memory,
+    AdamW steps on the CPU after backward."""
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full"] = "none"
-    """"full": recompute every transformer block in backward (single and fsdp2)."""
+    mode: ACMode = "none"
+    """Recompute in backward (single, fsdp2, deepspeed): "full": every transformer block;
+    "selective": torchtitan's op-level policy (saves attention and every other matmul output,
+    recomputes the rest; recipes/baselines/activation_checkpoint.py); "none"."""
+
+
+@dataclass
+class DeepSpeed:
+    """DeepSpeed ZeRO-Offload (parallelism.mode = "deepspeed"; pip install '.[deepspeed]'):
+    BF16 compute with FP32 master weights and Adam state in host memory, updated by
+    DeepSpeedCPUAdam after backward (recipes/baselines/deepspeed.py)."""
+
+    zero_stage: Literal[2, 3] = 2
+    """ZeRO stage: 2 shards gradients and optimizer state (BF16 weights replicated on the GPUs);
+    3 also shards the BF16 weights, gathered block by block."""
+    cpu_threads: int = 0
+    """Threads of DeepSpeedCPUAdam per rank (0: this rank's share of the CPUs it may run on;
+    torchrun would otherwise leave it OMP_NUM_THREADS=1)."""
+    pin_memory: bool = True
+    """Page-locked host buffers for the offloaded optimizer state (faster copies)."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient reduce (and ZeRO-2 all-gather) bucket: DeepSpeed's
+    reduce_bucket_size, its default."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward (DeepSpeed's overlap_comm)."""
 
 
 @dataclass
@@ -167,6 +195,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    deepspeed: DeepSpeed = field(default_factory=DeepSpeed)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     slidedp: SlideDPConfig = field(default_factory=SlideDPConfig)
@@ -194,6 +223,8 @@ _BOUNDS: dict[str, tuple[Any, str]] = {
     "slidedp.chunk_mib": (lambda v: 0 < v <= 1024, "in (0, 1024]"),
     "slidedp.keep_blocks": (lambda v: v >= 0, ">= 0"),
     "slidedp.cpu_threads": (lambda v: v >= 0, ">= 0"),
+    "deepspeed.cpu_threads": (lambda v: v >= 0, ">= 0"),
+    "deepspeed.reduce_bucket_size": (lambda v: v >= 1, ">= 1"),
     "metrics.log_freq": (lambda v: v >= 1, ">= 1"),
 }
 

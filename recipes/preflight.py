@@ -11,6 +11,8 @@ flags the launch adds on stdout: with more than one rank, mode "single" becomes 
 one-line notice says so).
 """
 
+import importlib.util
+import math
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -52,6 +54,27 @@ def check_world(config: JobConfig, *, world: int) -> None:
     if config.parallelism.mode == "single" and world > 1:
         raise ConfigError(f'parallelism.mode = "single" runs one process, but WORLD_SIZE={world}; '
                           f'use "fsdp2" or "slidedp" (./run_train.sh picks "{MULTI_RANK_MODE}")')
+
+
+def check_mode_options(config: JobConfig) -> None:
+    """Options of one mode only where that mode runs; for "deepspeed", the package is installed
+    (found, not imported: that takes seconds) and the run asks nothing the mode does not do."""
+    mode = config.parallelism.mode
+    if config.parallelism.fsdp_cpu_offload and mode != "fsdp2":
+        raise ConfigError(f'parallelism.fsdp_cpu_offload applies to parallelism.mode = "fsdp2", '
+                          f'not "{mode}"')
+    if mode != "deepspeed":
+        return
+    if importlib.util.find_spec("deepspeed") is None:
+        from recipes.baselines.zero_offload import deepspeed_missing
+
+        raise ConfigError(deepspeed_missing())
+    for key, value in (("checkpoint.save_dir", config.checkpoint.save_dir),
+                       ("checkpoint.resume_from", config.checkpoint.resume_from),
+                       ("training.init_on_meta", config.training.init_on_meta)):
+        if value:
+            raise ConfigError(f'{key}: not supported with parallelism.mode = "deepspeed" (a '
+                              "throughput baseline: no saves, no resume, no meta init)")
 
 
 def check_seq_len(seq_len: int, args: QwenArgs) -> None:
@@ -161,7 +184,8 @@ def check_host_memory(config: JobConfig, args: QwenArgs, *, world: int, on_cpu: 
                       available: int, total: int) -> None:
     """SlideDP's shared host state (exact) against `available` bytes (MemAvailable, unless
     slidedp.check_host_memory is off), then everything the ranks hold on the host (estimated:
-    the shared state, the FP32 model that single and fsdp2 build on the CPU first, and on the
+    the shared state, the FP32 model that single, fsdp2 and deepspeed build on the CPU first,
+    the state that FSDP2's CPU offload and DeepSpeed's optimizer offload keep there, and on the
     CPU the devices' estimate) against `total` bytes (MemTotal)."""
     from slidedp.host_state import HostStatePlan, host_state_bytes
     from slidedp.layout import StateLayout
@@ -177,12 +201,15 @@ def check_host_memory(config: JobConfig, args: QwenArgs, *, world: int, on_cpu: 
                               f"{_gib(available)}: set slidedp.bf16_shadow = false (2 B/param), "
                               "use a smaller model, or set slidedp.check_host_memory = false on "
                               "machines whose memory grows on demand")
+    n, mode = args.num_params(), config.parallelism.mode
     if on_cpu:
         per_rank = estimate_device_memory(config, args, world=world).total
-    elif config.parallelism.mode != "slidedp" and not training.init_on_meta:
-        per_rank = args.num_params() * 4
+    elif mode != "slidedp" and not training.init_on_meta:
+        per_rank = n * 4  # the FP32 model every rank builds on the CPU first
     else:
         per_rank = 0
+    if (mode == "fsdp2" and config.parallelism.fsdp_cpu_offload) or mode == "deepspeed":
+        per_rank += math.ceil(n * 16 / world)  # the offloaded FP32 shards, gradients, Adam state
     need = shared + world * per_rank
     if need > total * REFUSE_ABOVE:
         raise ConfigError(f"host memory: {world} rank(s) of parallelism.mode = "
@@ -221,6 +248,7 @@ def check_run(config: JobConfig, *, world: int, device: torch.device,
     tokenizing all before it, and before any rank starts), where the ranks would otherwise find
     them while tokenizing."""
     check_world(config, world=world)
+    check_mode_options(config)
     name, args = resolve_model(config)
     check_seq_len(config.training.seq_len, args)
     if config.model.hf_dir:

@@ -206,17 +206,26 @@ def _log_kernels(config: JobConfig, args: QwenArgs, *, device: torch.device) -> 
 
 def _describe_compute(config: JobConfig) -> str:
     """What the devices compute in: training.dtype, except in SlideDP, whose GPU window holds
-    BF16 weights whatever training.dtype says (said only where the two differ)."""
+    BF16 weights whatever training.dtype says, and DeepSpeed, configured for BF16 (said only
+    where the two differ)."""
     dtype = config.training.dtype
-    if config.parallelism.mode != "slidedp" or dtype == "bf16":
+    if config.parallelism.mode not in ("slidedp", "deepspeed") or dtype == "bf16":
         return f"{dtype} compute"
     return f"bf16 compute (training.dtype = {dtype!r} applies to single and fsdp2)"
 
 
-def _init_distributed(device: torch.device, *, world: int) -> None:
+def process_group_backend(config: JobConfig, device: torch.device) -> str:
+    """NCCL on GPUs (with gloo for the CPU tensors of FSDP2's CPU offload: its gradient norm is
+    reduced on the host), gloo on the CPU."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if config.parallelism.fsdp_cpu_offload else "nccl"
+
+
+def _init_distributed(config: JobConfig, device: torch.device, *, world: int) -> None:
     """The default process group: torchrun's env:// rendezvous, or a one-rank group in-process
-    (FSDP2 and SlideDP need one even alone)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    (FSDP2, DeepSpeed and SlideDP need one even alone)."""
+    backend = process_group_backend(config, device)
     device_id = device if device.type == "cuda" else None
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, device_id=device_id)
@@ -271,7 +280,7 @@ def train(config: JobConfig) -> None:
     # Before anything is allocated; with several ranks the launcher read the data already.
     checked = check_run(config, world=world, device=device, thorough=world == 1)
     if config.parallelism.mode != "single":
-        _init_distributed(device, world=world)
+        _init_distributed(config, device, world=world)
     try:
         locks = _lock_run_folders(config, rank=rank)  # held until they are closed at exit
         with watching_peers(rank=rank, world=world, expected=(ConfigError, NonFiniteStop)):

@@ -20,7 +20,7 @@ import slidedp.engine
 from models.flavors import get_flavor
 from recipes.checkpoint import (META_FILE, TRAIN_STATE, CheckpointSaver, latest_checkpoint, prune,
                                 staging_dir)
-from recipes.parallelize import build_single_backend
+from recipes.baselines.eager import build_single_backend
 from slidedp.save_gate import SaveGate
 from slidedp.state_file import REGIONS, state_file
 from tests.slidedp_worker import make_config

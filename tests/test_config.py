@@ -69,7 +69,9 @@ def test_cli_overrides_toml_overrides_defaults(tmp_path):
     ('[parallelism]\nmode = "ddp"\n', "parallelism.mode"),
     ('[training]\ndtype = "fp16"\n', "training.dtype"),
     ('[lr_scheduler]\ndecay_type = "step"\n', "lr_scheduler.decay_type"),
-    ('[activation_checkpoint]\nmode = "selective"\n', "activation_checkpoint.mode"),
+    ('[activation_checkpoint]\nmode = "op"\n', "activation_checkpoint.mode"),
+    ("[deepspeed]\nzero_stage = 1\n", "deepspeed.zero_stage"),
+    ("[parallelism]\nfsdp_cpu_offload = 1\n", "parallelism.fsdp_cpu_offload"),
     ('[slidedp]\ndelivery = "both"\n', "slidedp.delivery"),
     ('[slidedp]\nreduction = "host"\n', "slidedp.reduction"),
     ('[slidedp]\nactivation = "offload"\n', "slidedp.activation"),
@@ -101,7 +103,7 @@ def test_missing_config_file():
     (["--training.steps=many"], "training.steps must be an integer, got 'many'"),
     (["--training.steps=2.5"], "training.steps must be an integer"),
     (["--optimizer.lr=fast"], "optimizer.lr must be a number"),
-    (["--parallelism.mode=ddp"], "parallelism.mode must be one of 'single', 'fsdp2', 'slidedp'"),
+    (["--parallelism.mode=ddp"], "parallelism.mode must be one of 'single', 'fsdp2', 'deepspeed', 'slidedp'"),
     (["--slidedp.delivery=both"], "slidedp.delivery must be one of"),
     (["--slidedp.reduction=host"], "slidedp.reduction must be one of"),
     (["--slidedp.activation=offload"], "slidedp.activation: unknown activation policy"),
@@ -136,7 +138,8 @@ def test_fields_with_choices_are_literal():
     policy's written form, read by slidedp.activations.parse_policy)."""
     for section, key in [("slidedp", "delivery"), ("slidedp", "reduction"), ("parallelism", "mode"),
                          ("training", "dtype"), ("training", "dataset"),
-                         ("lr_scheduler", "decay_type"), ("activation_checkpoint", "mode")]:
+                         ("lr_scheduler", "decay_type"), ("activation_checkpoint", "mode"),
+                         ("deepspeed", "zero_stage")]:
         section_type = get_type_hints(JobConfig)[section]
         assert get_origin(get_type_hints(section_type)[key]) is Literal, f"{section}.{key}"
 

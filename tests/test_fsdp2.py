@@ -10,7 +10,8 @@ import torch
 
 from models.flavors import get_flavor
 from recipes.config import JobConfig
-from recipes.parallelize import build_fsdp2_backend, build_model, build_single_backend
+from recipes.baselines.eager import build_fsdp2_backend, build_single_backend
+from recipes.parallelize import build_model
 from recipes.train import build_batches, build_lr_schedule, train_steps
 from tests.conftest import REPO, run_ranks
 
@@ -102,3 +103,26 @@ def test_fsdp2_init_on_meta_equals_cpu_init():
         torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=name)
     # Random init predicts uniform guesses: loss ln(vocab).
     assert result["losses"][0] == pytest.approx(math.log(ARGS.vocab_size), abs=0.1)
+
+
+def fsdp2_variants_rank(rank: int, world: int, variants: list[dict]) -> list[dict]:
+    """Several FSDP2 runs in one pair of processes (one start-up for all)."""
+    return [fsdp2_rank(rank, world, overrides) for overrides in variants]
+
+
+def test_fsdp2_selective_checkpointing_and_cpu_offload_match_the_plain_run():
+    """torchtitan's op-level selective checkpointing recomputes exactly what forward computed
+    (FP32, and BF16 with its casts), and CPUOffloadPolicy moves the same shards through host
+    memory: each gives the plain run's losses, norms and weights."""
+    fp32 = {**BASE, "training.dtype": "fp32"}
+    bf16 = {**BASE, "training.dtype": "bf16"}
+    runs = run_ranks(fsdp2_variants_rank, world=WORLD, args=([
+        fp32, {**fp32, "activation_checkpoint.mode": "selective"},
+        {**fp32, "parallelism.fsdp_cpu_offload": True},
+        bf16, {**bf16, "activation_checkpoint.mode": "selective"}],))[0]
+    for plain, variant in ((runs[0], runs[1]), (runs[0], runs[2]), (runs[3], runs[4])):
+        assert variant["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+        assert variant["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-6)
+        for name, weight in plain["weights"].items():
+            torch.testing.assert_close(variant["weights"][name], weight, rtol=1e-6, atol=1e-7,
+                                       msg=name)

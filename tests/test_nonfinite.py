@@ -21,7 +21,7 @@ from models.flavors import get_flavor
 from models.qwen import RMSNorm
 from recipes.checkpoint import TRAIN_STATE
 from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
-from recipes.parallelize import _create_adam_state, build_fsdp2_backend, build_single_backend
+from recipes.baselines.eager import _create_adam_state, build_fsdp2_backend, build_single_backend
 from tests.conftest import REPO, run_ranks
 from tests.slidedp_worker import global_batches, make_config
 from tests.test_resume import train_state

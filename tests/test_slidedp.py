@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from models.flavors import get_flavor
-from recipes.parallelize import build_single_backend
+from recipes.baselines.eager import build_single_backend
 from slidedp.layout import SHARD_ALIGN, StateLayout
 from slidedp.schedule import Use, plan_micro_batch
 from tests.conftest import REPO, kill_process_tree, run_torchrun, subprocess_env

@@ -6,6 +6,8 @@
 #         fused-kernel stages (one H200, both [model] kernels side by side):
 #         kgputest attn actbytes ref4b ref8b refliger fsdp4b slidedp4b same4b slidedp8b slidedp8bplain
 #         long context: long4b long8b (one 262,144-token sequence, YaRN x8 over 32,768)
+#         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b
+#         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         (each appends to OUT_DIR/runs.jsonl; traces go to OUT_DIR).
 set -uo pipefail
 out=$1; shift
@@ -129,6 +131,27 @@ for stage in "$@"; do
                       --max-norm 0 --no-memory-check --points recompute:16 ;;
     long4b) long_context qwen3-4B ;;
     long8b) long_context qwen3-8B ;;
+    # FSDP2 with torchtitan's op-level selective checkpointing, and with CPUOffloadPolicy (the
+    # sharded FP32 state in host memory, AdamW on the CPU after backward: 8B fits one H200 then).
+    sac4b) run --mode fsdp2 --ac selective --batches 2,4,8 --kernels liger --flavor qwen3-4B ;;
+    offload4b) run --mode fsdp2 --fsdp-cpu-offload --ac full --batches 4,16 --kernels liger --flavor qwen3-4B ;;
+    offload8b) run --mode fsdp2 --fsdp-cpu-offload --ac full --batches 4,16 --kernels liger --flavor qwen3-8B ;;
+    # DeepSpeed ZeRO-Offload (recipes/baselines/zero_offload.py). The GPU machine has no network:
+    # carry the wheels in DS_WHEELS (made outside the repository: pip wheel deepspeed==0.19.8 -w DIR gives
+    # deepspeed-0.19.8-py3-none-any.whl, 2.2 MB, with hjson, msgpack, ninja, psutil, py-cpuinfo, pydantic,
+    # einops, tqdm where the GPU image lacks them). The first engine JIT-compiles
+    # DeepSpeedCPUAdam with ninja and the host compiler (minutes; cached in ~/.cache/torch_extensions).
+    dsinstall) pip install -q --no-index --find-links "${DS_WHEELS:?set DS_WHEELS to the wheel folder}" \
+                 deepspeed==0.19.8 && python3 -c 'import deepspeed; print(deepspeed.__version__)' ;;
+    # The target: SlideDP >= 2.0x ZeRO-Offload as a geometric mean over 1..16 sequences
+    # (reproduce-head_to_head measures both sides in one go).
+    zero4b) run --mode deepspeed --zero-stage 2 --ac full --batches 1,2,4,8,16 --kernels liger --flavor qwen3-4B
+            timeout 300 "${bench[@]}" --mode deepspeed --zero-stage 2 --ac none --batches 1,2,4 --kernels liger \
+              --flavor qwen3-4B
+            run --mode deepspeed --zero-stage 3 --ac full --batches 4,16 --kernels liger --flavor qwen3-4B ;;
+    zero8b) run --mode deepspeed --zero-stage 2 --ac full --batches 4,16 --kernels liger --flavor qwen3-8B ;;
+    reproduce-*) name=${stage#reproduce-}
+                 python3 -m "recipes.reproduce.$name" --kernels liger --out-dir "$out/$name" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -4,13 +4,16 @@ process group and one model build, so peers can be measured side by side on the 
     torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode slidedp --flavor qwen3-8B \\
         --seq 4096 --batches 4,8,16 --routes sharded/gpu,replicated/gpu --out runs.jsonl
     torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode fsdp2 --ac full ...
+    torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode fsdp2 --fsdp-cpu-offload ...
+    torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode deepspeed --zero-stage 2 ...
     torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode reference --ac full ...
     python -m recipes.bench.throughput --mode slidedp --flavor qwen3-4B --seq 262144 \
         --rope-scaling-type yarn --rope-scaling-factor 8 --original-max-position-embeddings 32768 \
         --points recompute:1 --max-norm 0 --warmup 0 --steps 1     # long context
     python -m recipes.bench.throughput --report runs.jsonl          # markdown table + ratios
 
-Modes: slidedp and fsdp2 train for real (synthetic tokens, AdamW); `reference` is the
+Modes: slidedp, fsdp2 (--ac none/full/selective, --fsdp-cpu-offload) and deepspeed (ZeRO-Offload,
+--zero-stage 2/3; needs the deepspeed package) train for real (synthetic tokens, AdamW); `reference` is the
 compute-only reference of docs/DESIGN.md §7.1: the BF16 model resident on each GPU,
 forward+backward only, no host traffic and no communication (each rank alone; the global rate is
 the per-GPU rate x ranks).
@@ -34,9 +37,10 @@ from recipes.config import ConfigError, JobConfig, resolve_model
 from recipes.metrics import memory, throughput
 from recipes.bench.rows import emit
 from recipes.bench.timeline import breakdown
-from recipes.parallelize import apply_activation_checkpointing, build_backend, build_kernels
-from recipes.preflight import check_seq_len
-from recipes.train import SyntheticBatches
+from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
+from recipes.parallelize import build_backend, build_kernels
+from recipes.preflight import check_mode_options, check_seq_len
+from recipes.train import SyntheticBatches, process_group_backend
 
 
 class _Reference:
@@ -79,8 +83,13 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.model.original_max_position_embeddings = a.original_max_position_embeddings
     cfg.training.seq_len, cfg.training.max_norm = a.seq, a.max_norm
     cfg.training.nonfinite = a.nonfinite
-    cfg.training.init_on_meta = True
+    cfg.training.init_on_meta = a.mode != "deepspeed"  # DeepSpeed partitions a built model
     cfg.activation_checkpoint.mode = a.ac
+    cfg.parallelism.fsdp_cpu_offload = a.mode == "fsdp2" and a.fsdp_cpu_offload
+    if a.mode == "deepspeed":  # its engine is configured for one micro-batch shape
+        cfg.training.local_batch_size = int(a.batches.split(",")[0])
+        cfg.training.grad_accum_steps = int(a.accum)
+        cfg.deepspeed.zero_stage, cfg.deepspeed.cpu_threads = a.zero_stage, a.ds_threads
     cfg.slidedp.delivery, cfg.slidedp.reduction = route.split("/")
     cfg.slidedp.activation, cfg.slidedp.keep_blocks = a.activation, a.keep_blocks
     cfg.slidedp.activation_blocks = a.activation_blocks
@@ -91,7 +100,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("slidedp", "fsdp2", "reference"))
+    p.add_argument("--mode", choices=("slidedp", "fsdp2", "deepspeed", "reference"))
     p.add_argument("--flavor", default="qwen3-8B")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--kernels", default="auto", choices=("auto", "liger", "torch"),
@@ -106,7 +115,13 @@ def main() -> None:
     p.add_argument("--batches", default="4,8,16", help="local batch sizes (sequences per GPU)")
     p.add_argument("--routes", default="sharded/gpu", help="slidedp: delivery/reduction list; "
                    "the first one's reduction decides whether the host staging region exists")
-    p.add_argument("--ac", default="full", choices=("none", "full"), help="fsdp2/reference checkpointing")
+    p.add_argument("--ac", default="full", choices=("none", "full", "selective"),
+                   help="fsdp2/deepspeed/reference checkpointing (activation_checkpoint.mode)")
+    p.add_argument("--fsdp-cpu-offload", action="store_true",
+                   help="fsdp2: CPUOffloadPolicy (parallelism.fsdp_cpu_offload)")
+    p.add_argument("--zero-stage", type=int, default=2, choices=(2, 3), help="deepspeed: ZeRO stage")
+    p.add_argument("--ds-threads", type=int, default=0,
+                   help="deepspeed: DeepSpeedCPUAdam threads per rank (0: the rank's share)")
     p.add_argument("--activation", default="recompute", help="slidedp default block policy")
     p.add_argument("--points", nargs="*", default=[],
                    help="slidedp: POLICY:B1,B2,... entries run in one build, in order (e.g. "
@@ -122,7 +137,8 @@ def main() -> None:
                    help="training.nonfinite; off (the default here): SlideDP without clipping "
                         "updates during backward instead of waiting for the step's norm")
     p.add_argument("--accum", default="1",
-                   help="slidedp/fsdp2: list of micro-batch counts each local batch is split into")
+                   help="slidedp/fsdp2: list of micro-batch counts each local batch is split "
+                        "into (deepspeed: one count)")
     p.add_argument("--no-memory-check", action="store_true",
                    help="slidedp: skip the MemAvailable check (VMs whose memory grows on demand)")
     p.add_argument("--warmup", type=int, default=1)
@@ -142,6 +158,9 @@ def main() -> None:
     try:  # the flavor with the RoPE scaling flags, and --seq within its positions
         args = resolve_model(_config(a, "sharded/gpu"))[1]
         check_seq_len(a.seq, args)
+        check_mode_options(_config(a, "sharded/gpu"))  # e.g. deepspeed not installed
+        if a.mode == "deepspeed" and "," in a.accum:
+            raise ConfigError("--accum: deepspeed takes one micro-batch count per build")
     except ConfigError as e:
         p.error(str(e))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -149,8 +168,8 @@ def main() -> None:
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world > 1 or a.mode == "fsdp2":  # FSDP2 needs a process group even alone
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if world > 1 or a.mode in ("fsdp2", "deepspeed"):  # they need a process group even alone
+        dist.init_process_group(process_group_backend(_config(a, "sharded/gpu"), device))
     routes = a.routes.split(",") if a.mode == "slidedp" else ["-"]
     kernels = build_kernels(_config(a, "sharded/gpu"), device=device)
     attention_op = sdpa_backend_used(kernels, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
@@ -216,6 +235,8 @@ def main() -> None:
                    "ac": a.ac if a.mode != "slidedp" else policy,
                    "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
                    "activation_blocks": a.activation_blocks if a.mode == "slidedp" else None,
+                   **({"fsdp_cpu_offload": a.fsdp_cpu_offload} if a.mode == "fsdp2" else {}),
+                   **({"zero_stage": a.zero_stage} if a.mode == "deepspeed" else {}),
                    "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
                    "slots": a.slots if a.mode == "slidedp" else None,
                    "chunk_mib": a.chunk_mib if a.mode == "slidedp" else None,
@@ -235,6 +256,16 @@ def main() -> None:
         dist.destroy_process_group()
 
 
+def system_name(row: dict) -> str:
+    """The system a row measured, as tables name it: the mode with its variant and label."""
+    name = row["mode"]
+    if row.get("fsdp_cpu_offload"):
+        name += " cpu-offload"
+    if row.get("zero_stage"):
+        name += f" ZeRO-{row['zero_stage']}"
+    return name + (f" {row['label']}" if row.get("label") else "")
+
+
 def report(paths: list[str]) -> str:
     """Markdown table; ratios against the compute-only reference at the same batch, seq and
     kernels (same checkpointing where both exist; an unlabelled reference row) and against the
@@ -247,7 +278,7 @@ def report(paths: list[str]) -> str:
             for r in rows if r["mode"] == "reference" and not r["label"]}  # labelled: variants
     best_fsdp2: dict[tuple[str, str], float] = {}
     for r in rows:
-        if r["mode"] == "fsdp2":
+        if r["mode"] == "fsdp2" and not r.get("fsdp_cpu_offload"):  # GPU-resident only
             key = (r["flavor"], r["kernels"])
             best_fsdp2[key] = max(best_fsdp2.get(key, 0.0), r["tokens_per_s"])
     lines = ["| model | kernels | system | route | activations | seq/GPU | tokens/s | TFLOP/s/GPU | MFU | peak GPU GiB (alloc/reserved) | host RSS GiB | vs reference | vs FSDP2 peak |",
@@ -266,7 +297,7 @@ def report(paths: list[str]) -> str:
                if r.get("peak_mem_alloc_gib") is not None else "–")
         accum = r.get("accum", 1)
         batch = f"{r['local_batch']} ({accum}x{r['local_batch'] // accum})" if accum > 1 else r["local_batch"]
-        lines.append(f"| {r['flavor']} | {r['kernels']} | {r['mode']}{' ' + r['label'] if r['label'] else ''} | "
+        lines.append(f"| {r['flavor']} | {r['kernels']} | {system_name(r)} | "
                      f"{r['route']} | {ac} | {batch} | {r['tokens_per_s']:,.0f} | {tflops} | "
                      f"{mfu} | {mem} | {r['peak_rss_gib']:.1f} | {vs_ref} | {vs_fsdp} |")
     return "\n".join(lines)

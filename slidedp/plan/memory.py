@@ -17,7 +17,13 @@ for BF16, 4 for FP32):
     fsdp2    resident: the same 12 B/param sharded over R, plus unsharded copies in the compute
              dtype of the root (embedding, final norm, head) and of FSDP_UNSHARDED_BLOCKS blocks;
              gradients: 4 B/param sharded over R, plus the unsharded gradient of the root and of
-             one block in the compute dtype and in FP32 for the reduce-scatter
+             one block in the compute dtype and in FP32 for the reduce-scatter; with
+             parallelism.fsdp_cpu_offload the sharded 12 + 4 B/param are in host memory
+    deepspeed ZeRO-Offload (the optimizer state and FP32 master on the host): resident BF16
+             weights, 2 B/param (ZeRO-2: all of them; ZeRO-3: sharded over R plus the root and
+             FSDP_UNSHARDED_BLOCKS blocks gathered); gradients: BF16, 2 B/param (ZeRO-2's
+             reduce buckets hold them until they are copied to the host) or sharded over R
+             (ZeRO-3)
     slidedp  resident: BF16 buffers (slidedp.window_slots block slots + embedding + head), the
              gradients in flight during backward (SLIDEDP_GRAD_COPIES copies of
              SLIDEDP_GRAD_BLOCKS blocks and of the head; the embedding's comes last, when the
@@ -67,6 +73,11 @@ _SHARED_TERMS: dict[str, dict[str, tuple[int, int]]] = {
     "recompute": {"dim": (0, 1)},
     # the block input and the attention kernel's outputs (slidedp/activations.py)
     "selective": {"dim": (0, 1), "q": (0, 1), "heads": (1, 0)},
+    # activation_checkpoint.mode = "selective", torchtitan's op-level policy
+    # (recipes/baselines/activation_checkpoint.py): the block input, the q, v, gate and down
+    # projections (every other matmul) and the attention kernel's output and log-sum-exp
+    "op_selective": {"dim": (0, 2), "q": (0, 2), "kv": (0, 1), "hidden": (0, 1),
+                     "heads": (1, 0)},
 }
 ACTIVATION_TERMS: dict[str, dict[str, dict[str, tuple[int, int]]]] = {
     # kernels -> policy -> width -> (FP32 copies, compute-dtype copies) saved per token of one block
@@ -163,17 +174,32 @@ class MemoryEstimate:
         return self.resident + max(self.gradients, self.activations + self.logits)
 
 
+@dataclass(frozen=True)
+class _OpSelective:
+    """The GPU-resident modes' activation_checkpoint.mode = "selective" (torchtitan's op-level
+    policy, recipes/baselines/activation_checkpoint.py), by its ACTIVATION_TERMS entry: it is no
+    SlideDP policy, only its memory is needed here."""
+
+    base: str = "op_selective"
+    offload: float = 0.0
+
+
+_CHECKPOINTING = {"none": KEEP, "full": RECOMPUTE, "selective": _OpSelective()}
+"""activation_checkpoint.mode of single and fsdp2 -> what each block keeps."""
+
+
 def _policies(config, n_layers: int) -> list[ActivationPolicy]:
     if config.parallelism.mode == "slidedp":
         s = config.slidedp
         return block_policies(n_layers, default=s.activation, blocks=s.activation_blocks,
                               keep_blocks=s.keep_blocks)
-    return [RECOMPUTE if config.activation_checkpoint.mode == "full" else KEEP] * n_layers
+    return [_CHECKPOINTING[config.activation_checkpoint.mode]] * n_layers
 
 
 def _compute_bytes(config) -> int:
-    """SlideDP always computes in BF16; the GPU-resident modes as training.dtype says."""
-    bf16 = config.parallelism.mode == "slidedp" or config.training.dtype == "bf16"
+    """SlideDP and DeepSpeed always compute in BF16; the GPU-resident modes as training.dtype
+    says."""
+    bf16 = config.parallelism.mode in ("slidedp", "deepspeed") or config.training.dtype == "bf16"
     return 2 if bf16 else 4
 
 
@@ -183,11 +209,17 @@ def _resident_and_gradients(config, args: QwenArgs, *, world: int,
     if mode == "single":
         return n * 12 + (n * 2 if compute_bytes == 2 else 0), n * 4
     block = args.block_params()
+    root = n - args.n_layers * block
     if mode == "fsdp2":
-        root = n - args.n_layers * block
         unsharded = (root + FSDP_UNSHARDED_BLOCKS * block) * compute_bytes
-        resident = math.ceil(n * 12 / world) + unsharded
-        return resident, math.ceil(n * 4 / world) + (root + block) * (compute_bytes + 4)
+        on_device = not config.parallelism.fsdp_cpu_offload  # else the shards are on the host
+        resident = on_device * math.ceil(n * 12 / world) + unsharded
+        return resident, on_device * math.ceil(n * 4 / world) + (root + block) * (compute_bytes + 4)
+    if mode == "deepspeed":
+        if config.deepspeed.zero_stage == 2:
+            return n * 2, n * 2
+        gathered = (root + FSDP_UNSHARDED_BLOCKS * block) * 2
+        return math.ceil(n * 2 / world) + gathered, math.ceil(n * 2 / world) + block * 2
     layout = StateLayout(args, world=world)
     buffers = (config.slidedp.window_slots * layout.block_padded + layout.embed.padded
                + layout.head.padded) * 2

@@ -1,0 +1,302 @@
+"""What the experiment scripts of recipes/reproduce/ share: the command line, the launches of
+recipes/bench/throughput.py (which times every point and writes its JSONL rows), and the outputs
+(CSV, markdown table, PNG plot) with the paper's corresponding figure beside ours.
+
+Every script runs on however many GPUs it finds (torchrun, one rank per GPU; `--nproc` to use
+fewer) and, without GPUs, on the CPU with `--tiny` (qwen3-debug, short sequences: the CPU tests
+run each script end to end that way). A point that fails (out of memory, say) is reported with
+the tail of its output and the run goes on; the points measured before it are kept.
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = Path("docs/results")
+"""Default parent of each experiment's output folder (relative to the working directory)."""
+
+
+@dataclass(frozen=True)
+class System:
+    """A peer as the bench runs it: `family` groups a system's own options (a peer's peak is its
+    best over them), `flags` are recipes/bench/throughput.py's."""
+
+    name: str
+    family: str
+    flags: tuple[str, ...]
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in [
+    System("slidedp-recompute", "slidedp", ("--mode", "slidedp", "--activation", "recompute")),
+    System("slidedp-selective", "slidedp", ("--mode", "slidedp", "--activation", "selective")),
+    System("slidedp-keep", "slidedp", ("--mode", "slidedp", "--activation", "keep")),
+    System("fsdp2-none", "fsdp2", ("--mode", "fsdp2", "--ac", "none")),
+    System("fsdp2-selective", "fsdp2", ("--mode", "fsdp2", "--ac", "selective")),
+    System("fsdp2-full", "fsdp2", ("--mode", "fsdp2", "--ac", "full")),
+    System("fsdp2-offload", "fsdp2-offload", ("--mode", "fsdp2", "--ac", "full",
+                                              "--fsdp-cpu-offload")),
+    System("zero2-offload", "zero-offload", ("--mode", "deepspeed", "--zero-stage", "2",
+                                             "--ac", "full")),
+    System("zero2-offload-noac", "zero-offload", ("--mode", "deepspeed", "--zero-stage", "2",
+                                                  "--ac", "none")),
+    System("zero3-offload", "zero3-offload", ("--mode", "deepspeed", "--zero-stage", "3",
+                                              "--ac", "full")),
+    System("reference-none", "reference", ("--mode", "reference", "--ac", "none")),
+    System("reference-full", "reference", ("--mode", "reference", "--ac", "full")),
+]}
+"""The systems an experiment can name (--systems). SlideFormer- and MegaTrain-style runs are
+policies of the SlideDP runtime still to come; DeepSpeed needs the deepspeed package."""
+
+
+def parser(doc: str, *, systems: str = "", batches: bool = False) -> argparse.ArgumentParser:
+    """The flags every experiment takes, --systems (helped by `systems`) and --batches where
+    asked for; each adds its own. Unset ones take the experiment's defaults (GPU) or, with
+    --tiny, its CPU-sized ones (`start`)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if systems:
+        p.add_argument("--systems", help=f"{systems}: a comma list of {', '.join(SYSTEMS)}")
+    if batches:
+        p.add_argument("--batches", help="local batch sizes, ascending")
+    p.add_argument("--out-dir", help="output folder (default docs/results/<experiment>)")
+    p.add_argument("--flavor", help="model flavor (models/flavors.py)")
+    p.add_argument("--seq", type=int, help="tokens per sequence")
+    p.add_argument("--kernels", default="auto", choices=("auto", "liger", "torch"))
+    p.add_argument("--max-norm", type=float,
+                   help="gradient clipping of every system (default 1.0, the experiment's)")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="ranks (0: every GPU found; on the CPU, the experiment's default)")
+    p.add_argument("--steps", type=int, help="timed steps per point (median reported)")
+    p.add_argument("--warmup", type=int, help="untimed steps per point")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU-sized run (qwen3-debug, short sequences): what the tests run")
+    return p
+
+
+def start(args: argparse.Namespace, experiment: str, *, gpu: dict[str, Any],
+          tiny: dict[str, Any]) -> "Runner":
+    """The unset flags filled from the experiment's defaults (GPU-sized, or --tiny), matplotlib
+    checked, and the experiment's Runner."""
+    _resolve(args, gpu=gpu, tiny=tiny)
+    require_matplotlib()
+    return Runner(args, experiment=experiment)
+
+
+def _resolve(args: argparse.Namespace, *, gpu: dict[str, Any], tiny: dict[str, Any]) -> None:
+    defaults = {"flavor": "qwen3-4B", "seq": 4096, "steps": 2, "warmup": 1, "max_norm": 1.0, **gpu}
+    if args.tiny:
+        defaults.update({"flavor": "qwen3-debug", "seq": 64, "steps": 1, "warmup": 0, **tiny})
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def select_systems(names: str) -> list[System]:
+    """The systems of a comma list; SystemExit (one line) naming an unknown one."""
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"error: unknown system {unknown[0]!r} (systems: {', '.join(SYSTEMS)})")
+    return [SYSTEMS[n] for n in chosen]
+
+
+def require_matplotlib():
+    """matplotlib's pyplot (Agg), or SystemExit with the install line: checked before anything
+    runs, so a long run does not end without its plot."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("error: the plots need matplotlib: pip install '.[reproduce]' "
+                         "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+class Runner:
+    """Launches recipes/bench/throughput.py; every row it writes lands in <out_dir>/runs.jsonl."""
+
+    def __init__(self, args: argparse.Namespace, *, experiment: str) -> None:
+        self.args, self.experiment = args, experiment
+        self.out_dir = Path(args.out_dir or RESULTS / experiment)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = self.out_dir / "runs.jsonl"
+        self.jsonl.unlink(missing_ok=True)  # this run's rows only
+        self.gpus = gpu_count()
+        self.launches = self.failures = 0
+
+    def nproc(self, default_cpu: int = 1) -> int:
+        """--nproc, else every GPU, else `default_cpu` CPU ranks."""
+        return self.args.nproc or self.gpus or default_cpu
+
+    def _env(self, nproc: int) -> dict[str, str]:
+        cores = len(os.sched_getaffinity(0))
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        # As run_train.sh and recipes/bench/h200.sh: each rank's share of the cores, and NVLink
+        # multicast off.
+        return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1",
+                    OMP_NUM_THREADS=str(max(1, cores // nproc)), NCCL_NVLS_ENABLE="0",
+                    TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+
+    def bench(self, flags: Sequence[str], *, nproc: int, label: str = "",
+              common: bool = True) -> list[dict]:
+        """One launch of the bench with `flags` (plus the run's model, sequence, kernels, clipping
+        and step counts unless `common` is false); its rows, each marked with `label`."""
+        a = self.args
+        shared = ["--flavor", a.flavor, "--seq", str(a.seq), "--kernels", a.kernels,
+                  "--max-norm", str(a.max_norm), "--steps", str(a.steps),
+                  "--warmup", str(a.warmup)] if common else []
+        bench = ["-m", "recipes.bench.throughput", *shared, *flags, "--label", label,
+                 "--no-memory-check", "--out", str(self.jsonl)]
+        env = self._env(nproc)
+        if nproc == 1:  # one process, no launcher (seconds less per point): env:// by hand
+            cmd = [sys.executable, *bench]
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={nproc}", *bench]
+        before = self._rows_written()
+        self.launches += 1
+        print(f"[{self.experiment}] {label or ''} x{nproc}: {shlex.join(flags)}", flush=True)
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True,
+                                  text=True, timeout=a.timeout)
+            failed = proc.returncode != 0
+            tail = (proc.stdout + proc.stderr)[-2000:]
+        except subprocess.TimeoutExpired as e:
+            failed, tail = True, f"timed out after {a.timeout:.0f} s\n{(e.stdout or b'')[-1000:]!r}"
+        rows = self._rows_written()[len(before):]
+        print(f"[{self.experiment}]   {len(rows)} point(s) in {time.perf_counter() - start:.0f} s"
+              + (" - FAILED (points after the last one above are missing):\n" + tail
+                 if failed else ""), flush=True)
+        self.failures += failed
+        return rows
+
+    def sweep(self, systems: Sequence[System], batches: str, *, nproc: int) -> list[dict]:
+        """Each system over `batches` (ascending: once one does not fit, the larger ones are
+        not tried) in one launch; every row gets its `system` and `family`."""
+        rows = []
+        for system in systems:
+            for row in self.bench([*system.flags, "--batches", batches], nproc=nproc,
+                                  label=system.name):
+                rows.append({**row, "system": system.name, "family": system.family})
+        return rows
+
+    def _rows_written(self) -> list[dict]:
+        if not self.jsonl.exists():
+            return []
+        return [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the CSV and the markdown table."""
+
+    key: str
+    header: str
+    fmt: str = "{}"
+    """How the table prints it (the CSV keeps the value as it is)."""
+
+    def text(self, row: dict) -> str:
+        value = row.get(self.key)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "–"
+        return self.fmt.format(value)
+
+
+SYSTEM = Column("system", "system")
+WORLD = Column("world", "GPUs")
+BATCH = Column("local_batch", "seq/GPU")
+TOKENS = Column("tokens_per_s", "tokens/s", "{:,.0f}")
+STEP = Column("step_time_s", "s/step", "{:.3f}")
+GPU_ALLOC = Column("peak_mem_alloc_gib", "GPU GiB alloc", "{:.1f}")
+GPU_RESERVED = Column("peak_mem_reserved_gib", "GPU GiB reserved", "{:.1f}")
+HOST_RSS = Column("peak_rss_gib", "host RSS GiB", "{:.2f}")
+"""The columns most tables share (bench row keys)."""
+
+
+def log2_axis(ax, *, xlabel: str = "sequences per GPU", ylabel: str) -> None:
+    """A plot axis over powers of two, labelled, with a light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
+def markdown_table(rows: Iterable[dict], columns: Sequence[Column]) -> str:
+    lines = ["| " + " | ".join(c.header for c in columns) + " |",
+             "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(c.text(r) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def geomean(values: Iterable[float]) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def machine() -> str:
+    """This machine in a line: its GPUs (or none) and cores."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    if torch.cuda.is_available():
+        gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    else:
+        gpus = "no GPU (CPU run)"
+    return f"{gpus}, {cores} cores, torch {torch.__version__}"
+
+
+def write_outputs(runner: Runner, rows: list[dict], columns: Sequence[Column], *, title: str,
+                  paper: str, plot: Callable[[Any, list[dict]], Any], notes: str = "") -> None:
+    """<name>.csv, <name>.md (table, the paper's figure, the machine, the command) and
+    <name>.png in the runner's output folder."""
+    plt = require_matplotlib()
+    name, out = runner.experiment, runner.out_dir
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[c.key for c in columns], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    figure = plot(plt, rows)
+    figure.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    command = shlex.join(["python", "-m", f"recipes.reproduce.{name}", *sys.argv[1:]])
+    raw = " Raw rows: runs.jsonl." if runner.jsonl.exists() else ""
+    md = [f"# {title}", "", f"Machine: {machine()}. Command: `{command}`.{raw}",
+          "", markdown_table(rows, columns), "", f"**Paper:** {paper}"]
+    if notes:
+        md += ["", notes]
+    if runner.failures:
+        md += ["", f"{runner.failures} of {runner.launches} launches failed (see the log); "
+                   "their later points are missing."]
+    md += ["", f"![{name}]({name}.png)", ""]
+    (out / f"{name}.md").write_text("\n".join(md))
+    print(f"[{name}] wrote {out}/{name}.csv, {name}.md, {name}.png")

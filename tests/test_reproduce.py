@@ -1,0 +1,71 @@
+"""Each experiment script of recipes/reproduce/ end to end on the CPU (--tiny: qwen3-debug,
+short sequences, a point or two per system): its CSV has the script's columns and a row per
+point, its markdown has the table and the paper's figure, its PNG exists; and the head-to-head
+and scaling arithmetic on known rows."""
+
+import csv
+import subprocess
+import sys
+
+import pytest
+
+from recipes.reproduce import head_to_head, scaling
+from recipes.reproduce.common import geomean
+from tests.conftest import REPO, subprocess_env
+
+# script -> (extra flags, points its CSV must hold)
+SCRIPTS = {
+    "batch_sweep": (["--systems", "slidedp-recompute,reference-full"], 4),
+    "head_to_head": (["--systems", "slidedp-recompute,reference-full"], 3),  # 2 batches + geomean
+    "routes": (["--routes", "sharded/gpu,replicated/cpu"], 2),
+    "scaling": ([], 4),  # strong and weak on 1 and 2 ranks
+    "chunk_sweep": ([], 2),
+    "cpu_adam_scaling": ([], 2),
+    "long_context": ([], 2),
+    "activation_policy": (["--policies", "recompute,keep", "--batches", "1"], 2),
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_end_to_end(name, tmp_path):
+    flags, points = SCRIPTS[name]
+    proc = subprocess.run([sys.executable, "-m", f"recipes.reproduce.{name}", "--tiny",
+                           "--out-dir", str(tmp_path), *flags], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
+    module = __import__(f"recipes.reproduce.{name}", fromlist=["COLUMNS"])
+    with open(tmp_path / f"{name}.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == [c.key for c in module.COLUMNS]
+    assert len(rows) == points
+    md = (tmp_path / f"{name}.md").read_text()
+    header = "| " + " | ".join(c.header for c in module.COLUMNS) + " |"
+    assert header in md and md.count("\n| ") == points + 1  # header + one line per point
+    assert f"**Paper:** {module.PAPER}" in md
+    png = (tmp_path / f"{name}.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_head_to_head_ratios_and_geometric_mean():
+    rows = [{"system": s, "family": f, "local_batch": b, "tokens_per_s": t} for s, f, b, t in [
+        ("slidedp-recompute", "slidedp", 4, 1000.0), ("slidedp-keep", "slidedp", 4, 1200.0),
+        ("slidedp-recompute", "slidedp", 16, 1500.0),
+        ("zero2-offload", "zero-offload", 4, 400.0), ("zero2-offload-noac", "zero-offload", 4, 600.0),
+        ("zero2-offload", "zero-offload", 16, 1000.0), ("fsdp2-full", "fsdp2", 8, 900.0)]]
+    out = head_to_head.matched(rows)
+    at4 = next(r for r in out if r["local_batch"] == 4)
+    # Each side's best setting at that batch.
+    assert (at4["slidedp_system"], at4["peer_system"], at4["ratio"]) == ("slidedp-keep", "zero2-offload-noac", 2.0)
+    mean = next(r for r in out if r["local_batch"] == "geomean")
+    assert mean["ratio"] == pytest.approx(geomean([2.0, 1.5])) == pytest.approx(3 ** 0.5)
+    assert not any(r["peer"] == "fsdp2" for r in out)  # no SlideDP point at batch 8
+
+
+def test_scaling_efficiency():
+    rows = [{"scaling": "strong", "system": "s", "world": 1, "step_time_s": 8.0, "tokens_per_s": 1.0},
+            {"scaling": "strong", "system": "s", "world": 4, "step_time_s": 2.5, "tokens_per_s": 3.2},
+            {"scaling": "weak", "system": "s", "world": 2, "step_time_s": 1.0, "tokens_per_s": 200.0},
+            {"scaling": "weak", "system": "s", "world": 8, "step_time_s": 1.0, "tokens_per_s": 760.0}]
+    eff = [r["efficiency"] for r in scaling.with_efficiency(rows)]
+    assert eff == pytest.approx([1.0, 0.8, 1.0, 0.95])
