@@ -1,4 +1,4 @@
-"""`python -m slidedp.plan` and `python -m slidedp.probe` (slidedp/plan/): every configuration
+"""`python -m recipes.plan` and `python -m recipes.probe` (slidedp/plan/): every configuration
 plans, the shipped rates files load, the policy file round-trips through the configuration, the
 probe's cache, and the model against recorded runs."""
 
@@ -10,7 +10,7 @@ import pytest
 from recipes.bench.model_check import check
 from recipes.config import ConfigError, parse_config, resolve_model
 from slidedp.activations import block_policies, parse_policy
-from slidedp.plan.cli import Job, plan_text
+from slidedp.plan.report import Job, plan_text
 from slidedp.plan.policy_file import policy_settings, write_policy_file
 from slidedp.plan.rates import SHIPPED, load_rates, model_key
 from tests.conftest import REPO, subprocess_env
@@ -89,7 +89,7 @@ def test_bad_policy_files_are_one_line(tmp_path, content, message):
 
 
 def plan_cli(tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "slidedp.plan", "train_configs/debug_cpu.toml",
+    return subprocess.run([sys.executable, "-m", "recipes.plan", "train_configs/debug_cpu.toml",
                            "--parallelism.mode=slidedp", f"--job.dump_folder={tmp_path}/out",
                            "--slidedp.autopolicy_candidates=keep, recompute", *flags],
                           cwd=REPO, env=subprocess_env(SLIDEDP_RATES_DIR=str(tmp_path / "rates")),

@@ -5,7 +5,7 @@ rates file, predicted against measured step time.
     python -m recipes.bench.model_check --rates OUT/rates.json OUT/runs.jsonl --within 0.10
 
 `--rates` is a shipped rates file (slidedp/plan/rates/) or one the probe wrote on the machine
-that ran the rows (`python -m slidedp.probe CONFIG --out OUT/rates.json`). SlideDP rows are
+that ran the rows (`python -m recipes.probe CONFIG --out OUT/rates.json`). SlideDP rows are
 simulated (slidedp/plan/steptime.py); compute-reference rows are the model's GPU work alone.
 FSDP2 rows are skipped (the model simulates SlideDP's schedule). Prints a markdown table and
 the error summary; with `--within`, exits 1 unless every row is within that relative error.

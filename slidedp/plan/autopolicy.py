@@ -18,7 +18,7 @@ stages; every measurement is a few real steps on random tokens at the run's shap
 The choice is applied, written to <job.dump_folder>/slidedp_policy.toml (slidedp.policy_file
 loads it), and the selection time and the steps that amortize it are printed.
 
-Offline (`python -m slidedp.plan CONFIG --search`): stages 4 and 6 from the model alone, over
+Offline (`python -m recipes.plan CONFIG --search`): stages 4 and 6 from the model alone, over
 routes, shadow on/off and slot counts, then the chunk by simulation; nothing is measured, so
 it can plan for a machine from its rates file.
 """
@@ -40,8 +40,10 @@ from slidedp.layout import StateLayout
 from slidedp.plan.ilp import Assignment, Choice, Option, solve
 from slidedp.plan.memory import estimate_device_memory
 from slidedp.plan.policy_file import parse_candidates, policy_settings, write_policy_file
-from slidedp.plan.predict import _state_plan, plan_run, policies_of, step_spec, with_slidedp
+from slidedp.plan.predict import plan_run, policies_of, state_plan, step_spec, with_slidedp
+from slidedp.plan.probe import probe
 from slidedp.plan.rates import Rates
+from slidedp.plan.report import Job, format_memory, kernels_for
 from slidedp.plan.steptime import simulate_step, step_demands
 from slidedp.plan.workload import Workload
 
@@ -154,7 +156,7 @@ def build_program(model: Model, settings: list[Setting], candidates: list[Activa
         config = setting.apply(model.config)
         fixed = estimate_device_memory(config, model.args, world=model.world, kernels=model.kernels,
                                        block_bytes=lambda p: 0.0)
-        host = host_state_bytes(StateLayout(model.args, world=model.world), _state_plan(config))
+        host = host_state_bytes(StateLayout(model.args, world=model.world), state_plan(config))
         residual = step.step_s - step.bound_s + correction
         options.append(Option(name=setting.describe(), settings=setting.__dict__,
                               demand=dict(step.demand_s), residual=residual,
@@ -196,10 +198,8 @@ def candidates_of(config) -> list[ActivationPolicy]:
 # ---- offline ---------------------------------------------------------------------------------------
 
 
-def search_offline(job, rates: Rates, *, world: int, out: str) -> list[str]:
-    """`plan --search`: the model's best configuration for `job` (a cli.Job), written to `out`."""
-    from slidedp.plan.cli import format_memory, kernels_for
-
+def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]:
+    """`plan --search`: the model's best configuration for `job`, written to `out`."""
     config, args = job.config, job.args
     model = Model(config, args, job.flavor, kernels_for(config, rates), world, rates)
     base = setting_of(config)
@@ -225,7 +225,7 @@ def search_offline(job, rates: Rates, *, world: int, out: str) -> list[str]:
     now = model.step_s(base, policies_of(config, args))
     settings_out = policy_settings(**{k: v for k, v in best.__dict__.items()}, policies=policies)
     write_policy_file(out, settings_out, comments=[
-        f"chosen by `python -m slidedp.plan --search` from the step-time model alone, on "
+        f"chosen by `python -m recipes.plan --search` from the step-time model alone, on "
         f"{rates.machine.name} ({rates.machine.source} rates), {world} rank(s)",
         f"predicted step {plan.step.step_s:.3f} s against {now:.3f} s for the configuration "
         f"searched from; not measured (AutoPolicy live measures: slidedp.autopolicy = true)"])
@@ -288,8 +288,6 @@ def select_live(backend, config, args: QwenArgs, *, flavor: str, device: torch.d
     """The live stages (module docstring) on `backend`; returns what was chosen and measured.
     Every rank calls it with the same arguments and takes the same decisions (the probe's
     rates are rank 0's, the step times every rank's slowest)."""
-    from slidedp.plan.probe import probe
-
     say = log if rank == 0 else (lambda _: None)
     start = time.perf_counter()
     candidates = candidates_of(config)

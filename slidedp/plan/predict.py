@@ -64,7 +64,7 @@ def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, 
         world=world, slots=s.window_slots, delivery=s.delivery, reduction=s.reduction,
         chunk_elems=chunk_elems(s.chunk_mib), bf16_shadow=s.bf16_shadow,
         micro_batches=tr.grad_accum_steps, deferred=tr.max_norm > 0 or tr.nonfinite != "off",
-        grad_accum=_state_plan(config).grad_accum, threads=threads_per_rank(config, rates, world),
+        grad_accum=state_plan(config).grad_accum, threads=threads_per_rank(config, rates, world),
         cores=rates.machine.cores, unit_elems=tuple(u.padded for u in layout.units),
         work=work.micro_batch(policies, batch), offload=tuple(p.offload for p in policies),
         offload_bytes=tuple(offloaded[p] for p in policies),
@@ -72,7 +72,8 @@ def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, 
         kernels=kernels)
 
 
-def _state_plan(config) -> HostStatePlan:
+def state_plan(config) -> HostStatePlan:
+    """The host state's regions `config` needs (slidedp/host_state.py)."""
     tr = config.training
     return HostStatePlan.for_run(config.slidedp, grad_accum_steps=tr.grad_accum_steps,
                                  max_norm=tr.max_norm, nonfinite=tr.nonfinite)
@@ -87,7 +88,7 @@ def plan_run(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, r
     policies = list(policies or policies_of(config, args))
     work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=tr.seq_len)
     batch, tokens = tr.local_batch_size, tr.local_batch_size * tr.seq_len
-    host_parts = host_state_regions(StateLayout(args, world=world), _state_plan(config))
+    host_parts = host_state_regions(StateLayout(args, world=world), state_plan(config))
     host_parts["offload pools"] = world * sum(work.activation_bytes(p, batch)[1] for p in policies)
     measured = all(work.has_measured_bytes(p) for p in set(policies) | {KEEP})
     device = estimate_device_memory(

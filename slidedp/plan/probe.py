@@ -186,7 +186,7 @@ def _host(device: torch.device, *, cores: int, sizes: ProbeSizes,
                                               repeats=sizes.repeats) / 1e9
     finally:
         torch.set_num_threads(before)
-    dram = triad_gbs(threads=cores, elems=n, repeats=sizes.repeats)
+    dram = triad_gbs(elements=n, threads=cores, repeats=sizes.repeats)
     log(f"host: AdamW {adam[max(adam)]:.2f} Gparam/s at {max(adam)} threads "
         f"({adam[1]:.2f} at 1), gradient sum {gsum[max(gsum)]:.2f} Gelem/s, cast "
         f"{cast[max(cast)]:.1f} GB/s, STREAM triad {dram:.1f} GB/s")
