@@ -6,7 +6,9 @@ stages; every measurement is a few real steps on random tokens at the run's shap
 (the weights stay as they were; the optimizer state is reset afterwards):
   1. probe: this machine's rates and the candidates' block timings and bytes (cached);
   2. routes: every delivery x reduction the run can switch to (set_routes), measured;
-  3. chunk: a smaller and a larger chunk than configured, measured;
+  3. chunk: a smaller and a larger chunk than configured, measured, where the model sees the
+     copies or collectives exposed for more than CHUNK_STAGE_EXPOSED of the step (else the
+     chunk cannot move it and the stage is skipped);
   4. screen: candidates dominated by another in device bytes, host bytes, GPU time and
      offloaded bytes are dropped;
   5. calibrate: each remaining candidate on CALIBRATION_BLOCKS blocks of the real pipeline,
@@ -67,6 +69,8 @@ CALIBRATION_BLOCKS = 4
 """Blocks a candidate takes in its calibration run."""
 MEASURED_STEPS = 3
 """Steps per measurement; the first after a change is dropped, the median of the rest kept."""
+CHUNK_STAGE_EXPOSED = 0.01
+"""Share of the step the copies and collectives must leave the GPU idle for the chunk stage."""
 VALIDATION_MARGIN = 0.02
 """How much faster than the given configuration the choice must measure to replace it (the
 spread of a few steps' times)."""
@@ -246,13 +250,14 @@ class _Meter:
     """Steps of the real engine with lr = 0 on random tokens at the run's shapes."""
 
     def __init__(self, backend, config, args: QwenArgs, *, device: torch.device, rank: int,
-                 world: int):
+                 world: int, steps: int):
         tr = config.training
         self.backend, self.device, self.world = backend, device, world
         self.shape = (tr.local_batch_size, tr.seq_len)
         self.micro = tr.grad_accum_steps
         self.vocab = args.vocab_size
         self.generator = torch.Generator().manual_seed(1234 + rank)
+        self.per_measurement = steps
         self.steps = 0
 
     def _batches(self):
@@ -263,18 +268,18 @@ class _Meter:
             out.append((tokens[:, :-1], tokens[:, 1:]))
         return out
 
-    def __call__(self, steps: int = MEASURED_STEPS) -> float:
-        """The median step time of `steps` steps less the first; the slowest rank's."""
+    def __call__(self) -> float:
+        """The median step time of a measurement's steps less the first; the slowest rank's."""
         b, s = self.shape
         times = []
-        for _ in range(steps):
+        for _ in range(self.per_measurement):
             batches = self._batches()
             start = time.perf_counter()
             self.backend.train_step(batches, lr=0.0, global_target_tokens=b * s * self.micro * self.world)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             times.append(time.perf_counter() - start)
-        self.steps += steps
+        self.steps += self.per_measurement
         value = torch.tensor([statistics.median(times[1:] or times)], dtype=torch.float64,
                              device=self.device)
         if self.world > 1:
@@ -283,7 +288,7 @@ class _Meter:
 
 
 def select_live(backend, config, args: QwenArgs, *, flavor: str, device: torch.device,
-                rank: int, world: int, group, out: str,
+                rank: int, world: int, group, out: str, steps: int = MEASURED_STEPS,
                 log: Callable[[str], None] = print) -> dict:
     """The live stages (module docstring) on `backend`; returns what was chosen and measured.
     Every rank calls it with the same arguments and takes the same decisions (the probe's
@@ -297,7 +302,7 @@ def select_live(backend, config, args: QwenArgs, *, flavor: str, device: torch.d
                   batch=tr.local_batch_size, loss_chunk=tr.loss_chunk_tokens, device=device,
                   rank=rank, world=world, group=group, log=say)
     model = Model(config, args, flavor, backend.kernels.name, world, rates)
-    meter = _Meter(backend, config, args, device=device, rank=rank, world=world)
+    meter = _Meter(backend, config, args, device=device, rank=rank, world=world, steps=steps)
     policies = list(backend.policies)
     setting = setting_of(config)
     measured: dict[tuple[Setting, str], float] = {}
@@ -323,10 +328,16 @@ def select_live(backend, config, args: QwenArgs, *, flavor: str, device: torch.d
         if (d, r) != (setting.delivery, setting.reduction):
             measure(replace(setting, delivery=d, reduction=r), policies, f"routes {d}/{r}")
     setting = _fastest(measured, policies)
-    for c in (setting.chunk_mib / 4, setting.chunk_mib * 4):
-        if 0.25 <= c <= 1024:
-            measure(replace(setting, chunk_mib=c), policies, f"chunk {c:g} MiB")
-    setting = _fastest(measured, policies)
+    predicted = simulate_step(model.spec(setting, policies), rates)
+    copies = sum(predicted.exposed_s[k] for k in ("h2d", "collective", "d2h"))
+    if copies > CHUNK_STAGE_EXPOSED * predicted.step_s:
+        for c in (setting.chunk_mib / 4, setting.chunk_mib * 4):
+            if 0.25 <= c <= 1024:
+                measure(replace(setting, chunk_mib=c), policies, f"chunk {c:g} MiB")
+        setting = _fastest(measured, policies)
+    else:
+        say(f"[autopolicy] chunk: kept {setting.chunk_mib:g} MiB (the model has the copies "
+            f"{copies:.3f} s exposed of {predicted.step_s:.3f} s: no chunk can move the step)")
     # Screen, then calibrate each candidate on a few blocks of the real pipeline.
     shortlist = screen(model, [*candidates, *policies])
     k = min(CALIBRATION_BLOCKS, args.n_layers)
