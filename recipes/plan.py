@@ -73,15 +73,13 @@ def rates_for(job: Job, *, rates: str) -> Rates:
 
 def split_flags(argv: list[str], parser: argparse.ArgumentParser
                 ) -> tuple[argparse.Namespace, list[str]]:
-    """Our options, and the configuration's flags (--section.key=value) with the TOML file."""
-    ours, flags = parser.parse_known_args(argv)
+    """Our options, and the configuration's flags (--section.key=value: a dot in the name) with
+    the TOML file. The flags are taken out first: argparse would read one whose value holds a
+    space as a positional argument."""
+    is_config = [a.startswith("--") and "." in a.partition("=")[0] for a in argv]
+    ours = parser.parse_args([a for a, c in zip(argv, is_config) if not c])
     config_flags = [f"--job.config_file={ours.config}"] if ours.config else []
-    for flag in flags:
-        if not flag.startswith("--") or "." not in flag.partition("=")[0]:
-            parser.error(f"unrecognized argument {flag!r} (configuration flags are "
-                         f"--section.key=value)")
-        config_flags.append(flag)
-    return ours, config_flags
+    return ours, config_flags + [a for a, c in zip(argv, is_config) if c]
 
 
 def main(argv: list[str]) -> int:
