@@ -147,3 +147,48 @@ def test_the_cache_is_keyed_by_model_and_kernels():
 
     keys = {model_key(FLAVORS[f], k) for f in ("qwen3-4B", "qwen3-8B") for k in ("torch", "liger")}
     assert len(keys) == 4
+
+
+def test_the_plan_stage_entry_points_on_the_debug_model(tmp_path):
+    """What recipes/bench/h200.sh's `plan` stage runs, on the debug model on the CPU: the probe
+    writes its rates, the predictions are written before anything is measured, the bench
+    measures the same points and then AutoPolicy's choice in the same build, and `compare`
+    joins them (AutoPolicy's row, if no point had its settings, predicted afterwards from the
+    same rates)."""
+    env = subprocess_env(SLIDEDP_RATES_DIR=str(tmp_path / "cache"))
+
+    def run(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, text=True,
+                              capture_output=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    rates, predicted, runs = tmp_path / "rates.json", tmp_path / "predicted.jsonl", tmp_path / "runs.jsonl"
+    points = ["keep:1,2", "recompute:2", "segments(attention_core):2"]
+    run("recipes.probe", "--model.flavor=qwen3-debug", "--training.seq_len=64",
+        "--training.local_batch_size=2",
+        "--slidedp.autopolicy_candidates=keep, selective, segments(attention_core)", f"--out={rates}")
+    run("recipes.bench.model_check", "predict", "--rates", str(rates), "--flavor", "qwen3-debug",
+        "--seq", "64", "--points", *points, "--out", str(predicted))
+    assert predicted.read_text().count('"predicted_s"') == 4
+    run("recipes.bench.throughput", "--mode", "slidedp", "--kernels", "torch", "--max-norm", "0",
+        "--no-memory-check", "--warmup", "1", "--steps", "1", "--flavor", "qwen3-debug", "--seq",
+        "64", "--points", *points, "--autopolicy", "2", "--autopolicy-steps", "2",
+        "--autopolicy-candidates", "keep, selective", "--out", str(runs))
+    assert (tmp_path / "policy_qwen3-debug_b2.toml").is_file()
+    table = run("recipes.bench.model_check", "compare", str(predicted), str(runs))
+    rows = [line for line in table.splitlines() if line.startswith("| runs |")]
+    # Every hand-picked point was predicted before it ran (AutoPolicy's choice may be one too).
+    assert len(rows) == 5 and not any("predicted after" in r for r in rows if "autopolicy" not in r)
+    assert "| slidedp autopolicy |" in table and "AutoPolicy, qwen3-debug at 2 x 64:" in table
+    assert "5 rows: mean |error|" in table
+
+
+def test_the_plan_stage_of_h200_sh():
+    script = Path(REPO, "recipes/bench/h200.sh").read_text()
+    stage = script[script.index("plan_stage() {"):script.index("for stage in")]
+    for step in ("plan_probe", "plan_predict", "plan_measure", "--autopolicy 16",
+                 "model_check compare"):
+        assert step in stage
+    assert "plan) plan_stage ;;" in script
+    assert subprocess.run(["bash", "-n", f"{REPO}/recipes/bench/h200.sh"]).returncode == 0
