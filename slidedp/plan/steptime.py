@@ -502,17 +502,17 @@ def _verdict(spec: StepSpec, step: float, demand: dict[str, float], exposed: dic
     top = max(host, key=host.get)
     regime = "host-bound" if step > 1.1 * gpu else "gpu-bound"
     if host[top] > gpu:
-        why = f"{top} {host[top]:.2f} s vs GPU {gpu:.2f} s per step (service demand)"
+        why = f"{top} {host[top]:.3g} s vs GPU {gpu:.3g} s per step (service demand)"
         advice = _ADVICE[top](spec)
     elif regime == "host-bound":
         cause = max(exposed, key=exposed.get)
-        why = (f"GPU {gpu:.2f} s of {step:.2f} s; {exposed[cause]:.2f} s of {cause} exposed by "
+        why = (f"GPU {gpu:.3g} s of {step:.3g} s; {exposed[cause]:.3g} s of {cause} exposed by "
                f"the schedule's dependencies (every resource's demand is below the GPU's)")
         advice = _EXPOSED_ADVICE[cause](spec)
     else:
-        why = f"GPU compute {gpu:.2f} s of {step:.2f} s; the host work is hidden"
+        why = f"GPU compute {gpu:.3g} s of {step:.3g} s; the host work is hidden"
         advice = ("fewer replays: spend spare GPU memory on blocks that keep more "
-                  "(slidedp.activation_blocks; plan --search)")
+                  "(slidedp.activation_blocks, or `python -m recipes.plan CONFIG --search`)")
         if spec.kernels == "torch":
             advice = "faster kernels (model.kernels = \"liger\"), or " + advice
     return regime, why, advice
@@ -533,8 +533,12 @@ _ADVICE = {
     "d2h per GPU": lambda s: "reduction = \"gpu\" (one summed shard per rank crosses PCIe)"
                              if s.reduction == "cpu" else "more sequences per step",
     "host d2h": lambda s: "reduction = \"gpu\"" if s.reduction == "cpu" else "more sequences per step",
-    "host memory": lambda s: "sharded delivery and gpu reduction (less host traffic), the BF16 "
-                             "shadow (no cast), more sequences per step",
+    "host memory": lambda s: ", ".join(
+        [*(["sharded delivery (host reads independent of the ranks)"]
+           if s.world > 1 and s.delivery == "replicated" else []),
+         *(['reduction = "gpu" (no host sum)'] if s.reduction == "cpu" else []),
+         *(["slidedp.bf16_shadow = true (no cast)"] if not s.bf16_shadow else []),
+         "more sequences per step (the CPU update's 28 B/param are paid once per step)"]),
     "interconnect": lambda s: "replicated delivery (no all-gather)" if s.delivery == "sharded"
                               else "more sequences per step",
 }
