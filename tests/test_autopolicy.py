@@ -76,8 +76,8 @@ def test_spare_memory_buys_the_policy_that_replays_less():
     keep = Choice("keep", {"gpu compute": 0.1}, gpu_bytes=4 * 2**30, host_bytes=0, rebuilds=False)
     recompute = Choice("recompute", {"gpu compute": 0.13}, gpu_bytes=0.1 * 2**30, host_bytes=0,
                        rebuilds=True)
-    option = Option("o", {}, {"gpu compute": 1.0, "cpu update": 1.5}, residual=0.0,
-                    gpu_bytes=10 * 2**30, host_bytes=0)
+    option = Option("o", {"gpu compute": 1.0, "cpu update": 1.5}, gpu_bytes=10 * 2**30,
+                    host_bytes=0, settings={}, residual=0.0)
     kw = dict(blocks=10, ranks=1, host_budget=2**40, rebuild_bytes=0.5 * 2**30)
     roomy = solve([option], [keep, recompute], gpu_budget=60 * 2**30, **kw)
     assert roomy.counts == {"keep": 10}

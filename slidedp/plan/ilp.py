@@ -34,37 +34,37 @@ TIE_BREAK_S_PER_GIB = 1e-5
 
 
 @dataclass(frozen=True)
-class Choice:
-    """One per-block policy the program may assign."""
+class Costs:
+    """What the program weighs of an option (the whole run, the blocks' activations aside) or of
+    a choice (one block under a policy)."""
 
     name: str
-    """The policy's written form."""
+    """In words: the option's settings, the choice's policy as written."""
     demand: dict[str, float]
-    """Seconds per step one block under it adds to each resource."""
+    """Seconds per step of each resource: an option's without the blocks' per-policy costs, a
+    choice's for one block."""
     gpu_bytes: float
-    """Device bytes one block keeps for backward."""
+    """Device bytes: an option's without the blocks' activations, a choice's one block keeps."""
     host_bytes: float
-    """Host bytes one block offloads, per rank."""
+    """Host bytes: an option's shared state, a choice's one block offloads (per rank)."""
+
+
+@dataclass(frozen=True)
+class Choice(Costs):
+    """One per-block policy the program may assign."""
+
     rebuilds: bool
     """Backward rebuilds the block (every policy but keep)."""
 
 
 @dataclass(frozen=True)
-class Option:
+class Option(Costs):
     """One whole-run setting the program may choose."""
 
-    name: str
-    """In words (routes, slots, ...)."""
     settings: dict
     """The [slidedp] keys it sets."""
-    demand: dict[str, float]
-    """Seconds per step of each resource without the blocks' per-policy costs."""
     residual: float
     """Seconds the schedule adds beyond the largest demand."""
-    gpu_bytes: float
-    """Device bytes of everything but the blocks' activations."""
-    host_bytes: float
-    """Host bytes of the shared state."""
 
 
 @dataclass(frozen=True)
