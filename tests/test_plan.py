@@ -11,10 +11,11 @@ import pytest
 
 from recipes.bench.model_check import check
 from recipes.config import ConfigError, parse_config, resolve_model
-from slidedp.activations import block_policies, parse_policy
-from slidedp.plan.report import Job, plan_text
+from slidedp.activations import KEEP, block_policies, parse_policy
 from slidedp.plan.policy_file import policy_settings, write_policy_file
+from slidedp.plan.predict import plan_run
 from slidedp.plan.rates import SHIPPED, load_rates, model_key
+from slidedp.plan.report import Job, plan_text
 from tests.conftest import REPO, subprocess_env
 
 CONFIGS = sorted(p.name for p in (SHIPPED.parents[2] / "train_configs").glob("*.toml"))
@@ -192,3 +193,15 @@ def test_the_plan_stage_of_h200_sh():
         assert step in stage
     assert "plan) plan_stage ;;" in script
     assert subprocess.run(["bash", "-n", f"{REPO}/recipes/bench/h200.sh"]).returncode == 0
+
+
+def test_a_plan_counts_the_policies_it_is_given():
+    """plan_run's `policies` (AutoPolicy's, --search's) replace the configuration's in the memory
+    estimate as in the simulated step, not only in the latter."""
+    job = job_of("--job.config_file=train_configs/h200_qwen3_4b_slidedp.toml")
+    kw = dict(flavor=job.flavor, kernels="liger", world=1, rates=load_rates("h200"))
+    configured = plan_run(job.config, job.args, **kw)
+    kept = plan_run(job.config, job.args, policies=[KEEP] * job.args.n_layers, **kw)
+    assert set(configured.policies) == {parse_policy("selective")} and set(kept.policies) == {KEEP}
+    assert kept.device.activations > 5 * configured.device.activations
+    assert kept.step.step_s < configured.step.step_s

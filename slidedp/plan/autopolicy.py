@@ -42,7 +42,8 @@ from slidedp.layout import StateLayout
 from slidedp.plan.ilp import Assignment, Choice, Option, solve
 from slidedp.plan.memory import estimate_device_memory
 from slidedp.plan.policy_file import parse_candidates, policy_settings, write_policy_file
-from slidedp.plan.predict import plan_run, policies_of, state_plan, step_spec, with_slidedp
+from slidedp.plan.predict import (plan_run, policies_of, state_plan, step_spec, with_policies,
+                                  with_slidedp)
 from slidedp.plan.probe import probe
 from slidedp.plan.rates import Rates
 from slidedp.plan.report import Job, format_memory, kernels_for
@@ -405,8 +406,7 @@ def _fastest(measured: dict, policies: list[ActivationPolicy]) -> Setting:
 def _fits(model: Model, setting: Setting, policies: list[ActivationPolicy], budget: float) -> bool:
     """The device estimate of `setting` with `policies` within `budget`."""
     work, batch = model.work, model.config.training.local_batch_size
-    config = with_slidedp(setting.apply(model.config), activation="recompute",
-                          activation_blocks=format_blocks(policies), keep_blocks=0)
+    config = with_policies(setting.apply(model.config), policies)
     tokens = batch * config.training.seq_len
     est = estimate_device_memory(config, model.args, world=model.world, kernels=model.kernels,
                                  block_bytes=lambda p: work.activation_bytes(p, batch)[0] / tokens)

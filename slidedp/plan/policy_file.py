@@ -18,14 +18,20 @@ KEYS = ("delivery", "reduction", "window_slots", "chunk_mib", "bf16_shadow", "ac
 """The [slidedp] keys a policy file sets."""
 
 
+def activation_keys(policies: list[ActivationPolicy]) -> dict:
+    """The [slidedp] keys of per-block policies: the most common one as `activation`, the
+    others as `activation_blocks` over it."""
+    default = Counter(policies).most_common(1)[0][0]
+    return {"activation": default.name, "activation_blocks": format_blocks(policies, default),
+            "keep_blocks": 0}
+
+
 def policy_settings(*, delivery: str, reduction: str, window_slots: int, chunk_mib: float,
                     bf16_shadow: bool, policies: list[ActivationPolicy]) -> dict:
-    """The [slidedp] keys for a choice: the most common policy as `activation`, the others as
-    `activation_blocks` over it."""
-    default = Counter(policies).most_common(1)[0][0]
+    """The [slidedp] keys for a choice."""
     return {"delivery": delivery, "reduction": reduction, "window_slots": window_slots,
-            "chunk_mib": float(chunk_mib), "bf16_shadow": bf16_shadow, "activation": default.name,
-            "activation_blocks": format_blocks(policies, default), "keep_blocks": 0}
+            "chunk_mib": float(chunk_mib), "bf16_shadow": bf16_shadow,
+            **activation_keys(policies)}
 
 
 def _toml_value(value) -> str:

@@ -10,6 +10,7 @@ from slidedp.activations import KEEP, ActivationPolicy, block_policies
 from slidedp.host_state import HostStatePlan, host_state_regions
 from slidedp.layout import StateLayout, chunk_elems
 from slidedp.plan.memory import MemoryEstimate, estimate_device_memory
+from slidedp.plan.policy_file import activation_keys
 from slidedp.plan.rates import Rates
 from slidedp.plan.steptime import Schedule, StepPrediction, StepSpec, simulate_step
 from slidedp.plan.workload import Workload
@@ -84,8 +85,10 @@ def plan_run(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, r
              schedule: Schedule = "slidedp") -> RunPlan:
     """Memory and the predicted step of `config` (parallelism.mode = "slidedp") on `world`
     ranks of the machine of `rates`. `policies` replace the configuration's per-block ones."""
+    if policies is not None:
+        config = with_policies(config, policies)
     tr = config.training
-    policies = list(policies or policies_of(config, args))
+    policies = policies_of(config, args)
     work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=tr.seq_len)
     batch, tokens = tr.local_batch_size, tr.local_batch_size * tr.seq_len
     host_parts = host_state_regions(StateLayout(args, world=world), state_plan(config))
@@ -95,10 +98,15 @@ def plan_run(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, r
         config, args, world=world, kernels=kernels,
         block_bytes=(lambda p: work.activation_bytes(p, batch)[0] / tokens) if measured else None)
     spec = step_spec(config, args, flavor=flavor, kernels=kernels, world=world, rates=rates,
-                     policies=policies, schedule=schedule)
+                     schedule=schedule)
     return RunPlan(policies=tuple(policies), host_parts=host_parts, device=device,
                    device_capacity=math.floor(rates.machine.device_memory_gib * 2**30),
                    spec=spec, step=simulate_step(spec, rates), measured_bytes=measured)
+
+
+def with_policies(config, policies: list[ActivationPolicy]):
+    """`config` with its per-block policies set to `policies`."""
+    return with_slidedp(config, **activation_keys(policies))
 
 
 def with_slidedp(config, **changes):
