@@ -22,6 +22,7 @@ from recipes.baselines.activation_checkpoint import ACMode
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
 from slidedp.activations import block_policies
 from slidedp.config import SlideDPConfig
+from slidedp.plan.policy_file import parse_candidates
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -412,6 +413,7 @@ def _check_activation(config: JobConfig, args: QwenArgs) -> None:
     try:
         block_policies(args.n_layers, default=s.activation, blocks=s.activation_blocks,
                        keep_blocks=s.keep_blocks)
+        parse_candidates(s.autopolicy_candidates)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -423,6 +425,9 @@ def _check_combinations(config: JobConfig) -> None:
                         device_type="cuda" if torch.cuda.is_available() else "cpu")
     except KernelsUnavailable as e:
         raise ConfigError(str(e)) from None
+    if config.slidedp.autopolicy and config.parallelism.mode != "slidedp":
+        raise ConfigError('slidedp.autopolicy: applies to parallelism.mode = "slidedp", not '
+                          f'"{config.parallelism.mode}"')
     if training.init_on_meta and config.parallelism.mode == "single":
         raise ConfigError('training.init_on_meta: not supported with parallelism.mode = "single"')
     if training.init_on_meta and config.model.hf_dir:
@@ -430,13 +435,34 @@ def _check_combinations(config: JobConfig) -> None:
                           "(checkpoint weights are loaded before sharding)")
 
 
-def _load_toml(path: str) -> dict[str, Any]:
-    _require_path("job.config_file", path, kind="file")
+def _load_toml(path: str, *, key: str = "job.config_file") -> dict[str, Any]:
+    _require_path(key, path, kind="file")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"job.config_file: {path}: invalid TOML: {e}") from None
+        raise ConfigError(f"{key}: {path}: invalid TOML: {e}") from None
+
+
+def _with_policy_file(config: JobConfig) -> JobConfig:
+    """`config` with the [slidedp] keys of slidedp.policy_file (AutoPolicy's choice, written by
+    slidedp/plan/policy_file.py) in place of its own."""
+    key, path = "slidedp.policy_file", config.slidedp.policy_file
+    if not path:
+        return config
+    data = _load_toml(path, key=key)
+    table = data.get("slidedp")
+    if set(data) != {"slidedp"} or not isinstance(table, dict):
+        raise ConfigError(f"{key}: {path} must hold one [slidedp] table, got "
+                          f"{', '.join(sorted(data)) or 'nothing'}")
+    if "policy_file" in table:
+        raise ConfigError(f"{key}: {path} sets slidedp.policy_file itself")
+    try:
+        chosen = _section_from_dict(SlideDPConfig, table, section="slidedp")
+    except ConfigError as e:
+        raise ConfigError(f"{key}: {path}: {e}") from None
+    return dataclasses.replace(config, slidedp=dataclasses.replace(
+        config.slidedp, **{name: getattr(chosen, name) for name in table}))
 
 
 def _cli_value(text: str, tp: Any) -> Any:
@@ -508,6 +534,8 @@ def _job_config_manager():
             base = JobConfig() if self.toml_path is None else self._from_toml(self.toml_path)
             self.config = tyro.cli(JobConfig, args=_check_cli_args(args), default=base,
                                    registry=custom_registry, use_underscores=True)
+            check_config(self.config)  # policy_file itself is a string, before it is read
+            self.config = _with_policy_file(self.config)
             self._validate_config()
             return self.config
 

@@ -25,7 +25,7 @@ from models.args import QwenArgs
 from recipes.checkpoint import FORMAT_VERSION, read_meta
 from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, resolve_resume_dir
 from models.kernels import resolve_kernels
-from recipes.memory_estimate import (REFUSE_ABOVE, Kernel, estimate_device_memory,
+from slidedp.plan.memory import (REFUSE_ABOVE, Kernel, estimate_device_memory,
                                      largest_fitting_batch)
 
 MULTI_RANK_MODE = "fsdp2"
@@ -153,7 +153,7 @@ def check_resumable(directory: Path, *, meta: dict[str, Any]) -> None:
 
 def check_device_memory(config: JobConfig, args: QwenArgs, *, world: int, capacity: int,
                         kernels: Kernel = "torch") -> None:
-    """Refuse when the estimate (recipes/memory_estimate.py) clearly exceeds one device's
+    """Refuse when the estimate (slidedp/plan/memory.py) clearly exceeds one device's
     `capacity` bytes, with the numbers and what to change."""
     est = estimate_device_memory(config, args, world=world, kernels=kernels)
     if est.total <= capacity * REFUSE_ABOVE:

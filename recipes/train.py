@@ -253,6 +253,19 @@ def _lock_run_folders(config: JobConfig, *, rank: int) -> list:
     return locks
 
 
+def _autopolicy(config: JobConfig, checked: CheckedRun, backend, *, rank: int, world: int,
+                device: torch.device) -> None:
+    """AutoPolicy (slidedp/plan/autopolicy.py) on the run's own backend, before the first step
+    and before a resume loads its state: it measures with lr = 0 and resets the optimizer, and
+    its choice is written for slidedp.policy_file."""
+    from slidedp.plan.autopolicy import select_live
+    from slidedp.plan.policy_file import POLICY_FILE_NAME
+
+    select_live(backend, config, checked.args, flavor=checked.name, device=device, rank=rank,
+                world=world, group=dist.group.WORLD if world > 1 else None,
+                out=str(Path(config.job.dump_folder) / POLICY_FILE_NAME), log=logger.info)
+
+
 def train(config: JobConfig) -> None:
     exit_with_launcher()
     rank = int(os.environ.get("RANK", 0))
@@ -302,6 +315,8 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
         resumed = read_meta(resume_dir)
         resume_step, run_name = resumed["step"], resumed.get("run_name", run_name)
     backend = build_backend(config, args, device=device, dp_rank=rank, dp_world=world)
+    if config.parallelism.mode == "slidedp" and config.slidedp.autopolicy:
+        _autopolicy(config, checked, backend, rank=rank, world=world, device=device)
     schedule = build_lr_schedule(config)
     metrics = MetricsLogger(config.job.dump_folder, enabled=rank == 0,
                             log_freq=config.metrics.log_freq, total_steps=training.steps,

@@ -45,6 +45,15 @@ class SlideDPConfig:
     as the delivery source (half the H2D bytes; without it the FP32 master is copied and cast on
     the GPU). 2 bytes/param of host memory, none more than without it when updates wait for the
     step's norm: it then also holds the returned gradients."""
+    autopolicy: bool = False
+    """Choose the routes, chunk, slots and per-block activation policies at start by measuring
+    this machine (AutoPolicy: a few steps with lr = 0, then the optimizer state is reset); the
+    choice is written to <job.dump_folder>/slidedp_policy.toml, which `policy_file` loads."""
+    autopolicy_candidates: str = ""
+    """The per-block policies AutoPolicy screens, comma-separated (empty: its default set of
+    keep, recompute, selective, op-level saves and segment masks, each with offload 0, 0.5, 1)."""
+    policy_file: str = ""
+    """A TOML file with a [slidedp] table (AutoPolicy writes one) whose keys replace these."""
     check_host_memory: bool = True
     """Refuse to start when the host state and the ranks' activation offload pools exceed
     MemAvailable (off for VMs whose memory grows on demand and under-reports at start)."""

@@ -190,15 +190,19 @@ class SlideDPBackend:
 
     # ---- set-up -------------------------------------------------------------------------------
 
-    def set_routes(self, *, delivery: str, reduction: str) -> None:
+    def set_routes(self, *, delivery: str, reduction: str, chunk_mib: float | None = None) -> None:
         """Switch the parameter and gradient routes between steps; the host state is untouched
-        (the CPU route needs its staging region, allocated when slidedp.reduction = "cpu")."""
+        (the CPU route needs its staging region, allocated when slidedp.reduction = "cpu").
+        `chunk_mib` changes the chunk of the copy and update pipelines as well."""
         if reduction == "cpu" and not self.state.plan.cpu_staging:
             raise ValueError("reduction='cpu' needs the host staging region: start with "
                              "slidedp.reduction = 'cpu'")
         # The route has a place for a step's gradients.
         self.state.plan.hold(n_micro=1, reduction=reduction, deferred=self.deferred)
         self._drain()
+        if chunk_mib is not None:
+            self.chunk = chunk_elems(chunk_mib)
+            self.cfg = replace(self.cfg, chunk_mib=chunk_mib)
         self.delivery = Delivery(self.state, self.streams, route=delivery, rank=self.rank,
                                  world=self.world, group=self._gather_group,
                                  chunk_elems=self.chunk, traffic=self.traffic)
@@ -213,6 +217,37 @@ class SlideDPBackend:
         """Switch slidedp.update_order between steps (the bench compares the orders in one
         build); the order changes timing only, so the updates still queued simply follow it."""
         self._queue.order = UPDATE_ORDERS[name]
+
+    def set_window_slots(self, slots: int) -> None:
+        """Change the number of GPU block slots between steps (slidedp.window_slots): the slots
+        are allocated anew and the next step delivers every block."""
+        if slots < 2:
+            raise ValueError(f"slidedp.window_slots must be >= 2, got {slots}")
+        self._drain()
+        Streams.synchronize(self.streams.record())  # no kernel or copy uses a slot any more
+        old = self.cfg.window_slots
+        del self.buffers[:old]  # the same list: WeightRefs resolves through it
+        self.buffers[:0] = [torch.empty(self.layout.block_padded, dtype=torch.bfloat16,
+                                        device=self.device) for _ in range(slots)]
+        self.cfg = replace(self.cfg, window_slots=slots)
+        # The saved-tensor hooks know the buffers by address: the new ones too.
+        self.weight_refs = WeightRefs(self.buffers, lambda u: self.buffers[self._unit_buffer[u]])
+        self._last_release = {b: None for b in range(len(self.buffers))}
+        self._resident = {}
+
+    def reset_optimizer(self) -> None:
+        """The optimizer state of a fresh start, weights untouched: this rank's Adam moments
+        zero, Adam's step count and the step counter 0 (AutoPolicy measures with lr = 0, which
+        leaves the weights as they were but moves the moments)."""
+        self._drain()
+        self._barrier()  # no peer's delivery reads our version counters any more
+        for unit in self.layout.units:
+            lo, hi = unit.shard(self.rank, self.world)
+            for region in ("exp_avg", "exp_avg_sq"):
+                self.state.unit_view(region, unit.index, lo, hi).zero_()
+            self.state.version[unit.index, self.rank] = 0
+        self.steps_done = self.adam_steps = 0
+        self._barrier()
 
     def set_activation(self, *, default: str, blocks: str = "", keep_blocks: int = 0) -> None:
         """Set the per-block activation policies, as the [slidedp] keys `activation`,

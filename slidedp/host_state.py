@@ -130,10 +130,15 @@ def _region_sizes(layout: StateLayout, plan: HostStatePlan) -> list[tuple[str, t
     return regions
 
 
+def host_state_regions(layout: StateLayout, plan: HostStatePlan) -> dict[str, int]:
+    """Bytes of each region of the shared mapping (each 4 KiB aligned)."""
+    return {name: -(-numel * dtype.itemsize // 4096) * 4096
+            for name, dtype, numel in _region_sizes(layout, plan)}
+
+
 def host_state_bytes(layout: StateLayout, plan: HostStatePlan) -> int:
     """Exact size of the shared mapping (each region 4 KiB aligned)."""
-    return sum(-(-numel * dtype.itemsize // 4096) * 4096
-               for _, dtype, numel in _region_sizes(layout, plan))
+    return sum(host_state_regions(layout, plan).values())
 
 
 def _meminfo_bytes(field: str) -> int:

@@ -148,7 +148,7 @@ def test_memory_estimate_of_the_offloading_baselines():
     weights and gradients there (ZeRO-2: all of them, ZeRO-3: a shard), and the host check
     counts what they offload."""
     from models.flavors import FLAVORS
-    from recipes.memory_estimate import estimate_device_memory
+    from slidedp.plan.memory import estimate_device_memory
     from recipes.preflight import check_host_memory
 
     args, world = FLAVORS["qwen3-8B"], 2

@@ -1,5 +1,5 @@
 """The start-up checks (recipes/preflight.py) and the device-memory estimate they use
-(recipes/memory_estimate.py): every class of bad input is one ConfigError line naming the key or
+(slidedp/plan/memory.py): every class of bad input is one ConfigError line naming the key or
 file, raised before anything is allocated."""
 
 import dataclasses
@@ -12,7 +12,7 @@ from models.args import RopeScaling
 from models.flavors import FLAVORS, get_flavor
 from models.hf_checkpoint import save_hf_checkpoint
 from recipes.config import ConfigError, JobConfig, parse_config
-from recipes.memory_estimate import (activation_bytes_per_token, estimate_device_memory,
+from slidedp.plan.memory import (activation_bytes_per_token, estimate_device_memory,
                                      largest_fitting_batch)
 from recipes.parallelize import build_model
 from recipes.preflight import (check_device_memory, check_host_memory, check_run, check_seq_len,

@@ -41,6 +41,8 @@ from recipes.baselines.activation_checkpoint import apply_activation_checkpointi
 from recipes.parallelize import build_backend, build_kernels
 from recipes.preflight import check_mode_options, check_seq_len
 from recipes.train import SyntheticBatches, process_group_backend
+from slidedp.activations import format_blocks
+from slidedp.plan.autopolicy import MEASURED_STEPS, select_live
 from slidedp.update_order import UPDATE_ORDERS
 
 
@@ -84,12 +86,12 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.model.original_max_position_embeddings = a.original_max_position_embeddings
     cfg.training.seq_len, cfg.training.max_norm = a.seq, a.max_norm
     cfg.training.nonfinite = a.nonfinite
-    # The host state must hold the largest accumulation run (SlideDP's FP32 buffer); DeepSpeed
-    # takes one count (checked in main).
-    cfg.training.grad_accum_steps = max(int(n) for n in a.accum.split(","))
     cfg.training.init_on_meta = a.mode != "deepspeed"  # DeepSpeed partitions a built model
     cfg.activation_checkpoint.mode = a.ac
     cfg.parallelism.fsdp_cpu_offload = a.mode == "fsdp2" and a.fsdp_cpu_offload
+    # The host state must hold the largest accumulation run (SlideDP's FP32 buffer); DeepSpeed
+    # takes one count (checked in main).
+    cfg.training.grad_accum_steps = max(int(n) for n in a.accum.split(","))
     # The first point's batch: SlideDP's start-up report (activation bytes per block, the offload
     # pool) is for it, and DeepSpeed's engine is configured for that one micro-batch shape.
     cfg.training.local_batch_size = int((a.points[0].split(":")[1] if a.points
@@ -103,6 +105,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.slidedp.bf16_shadow = not a.no_shadow
     cfg.slidedp.update_order = a.update_order.split(",")[0]
     cfg.slidedp.check_host_memory = not a.no_memory_check
+    cfg.slidedp.autopolicy_candidates = a.autopolicy_candidates
     return cfg
 
 
@@ -163,6 +166,13 @@ def main() -> None:
                         "per-stream breakdown of recipes/bench/timeline.py in the row")
     p.add_argument("--trace-batch", type=int, default=0,
                    help="with --trace-dir: trace only this local batch size (0: every one)")
+    p.add_argument("--autopolicy", type=int, default=0,
+                   help="slidedp: after the points, run AutoPolicy at this many sequences per GPU "
+                        "and measure its choice (its policy file beside --out)")
+    p.add_argument("--autopolicy-candidates", default="",
+                   help="slidedp.autopolicy_candidates for --autopolicy (empty: its default set)")
+    p.add_argument("--autopolicy-steps", type=int, default=MEASURED_STEPS,
+                   help="steps per AutoPolicy measurement (the first after a change is dropped)")
     p.add_argument("--out", default="throughput.jsonl")
     p.add_argument("--report", nargs="*", help="print the markdown table of these JSONL files")
     a = p.parse_args()
@@ -204,80 +214,145 @@ def main() -> None:
     points = [(policy, int(b), int(n), order) for spec in specs
               for policy, batches in [spec.split(":")] for b in batches.split(",")
               for n in a.accum.split(",") for order in orders]
+    context = dict(args=args, rank=rank, world=world, device=device)
+    keys = dict(kernels=kernels.name, attention_op=attention_op, world=world, device=device)
     for route in routes:
         if a.mode == "slidedp":
             backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
         for policy, batch, accum, order in points:
             if a.mode == "slidedp":
-                backend.set_update_order(order)
                 backend.set_activation(default=policy, blocks=a.activation_blocks,
                                        keep_blocks=a.keep_blocks)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(device)
-            times, extras, traced = [], [], {}
-            # SlideDP's host updates of step t run on during step t+1 (all of them with
-            # clipping): the warm-up must hold one whole update cycle (the first also faults in
-            # the Adam moments' host pages).
-            warmup = a.warmup + (a.mode == "slidedp")
-            n_timed = warmup + a.steps
-            # The traced step (rank 0 profiles) comes after the timed ones: its overhead stays out.
-            trace = bool(a.trace_dir) and a.trace_batch in (0, batch)
-            batches = iter(SyntheticBatches(vocab_size=args.vocab_size, seq_len=a.seq,
-                                            local_batch_size=batch, dp_rank=rank, dp_world=world,
-                                            seed=0))
-            for i in range(n_timed + trace):
-                data = next(batches)
-                profiling = i == n_timed and rank == 0
-                prof = _profiler() if profiling else contextlib.nullcontext()
-                start = time.perf_counter()
-                with prof:
-                    if a.mode == "reference":
-                        extra = runner.step(data)
-                    else:
-                        micro = list(zip(*(t.chunk(accum) for t in data)))
-                        extra = backend.train_step(micro, lr=1e-5,
-                                                   global_target_tokens=batch * a.seq * world).extra
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                elapsed = time.perf_counter() - start
-                if profiling:
-                    path = os.path.join(a.trace_dir, f"{a.mode}_{route.replace('/', '-')}_b{batch}x{accum}.json.gz")
-                    prof.export_chrome_trace(path)
-                    traced = {"traced_step_s": elapsed, **breakdown(path, step_time_s=elapsed)}
-                elif warmup <= i < n_timed:
-                    times.append(elapsed)
-                    extras.append(extra)
-            step_time = statistics.median(times)
-            row = {"mode": a.mode, "label": a.label, "flavor": a.flavor, "route": route,
-                   "kernels": kernels.name, "attention_op": attention_op,
-                   "ac": a.ac if a.mode != "slidedp" else policy,
-                   "keep_blocks": a.keep_blocks if a.mode == "slidedp" else None,
-                   "activation_blocks": a.activation_blocks if a.mode == "slidedp" else None,
-                   "bf16_shadow": not a.no_shadow if a.mode == "slidedp" else None,
-                   "update_order": order,
-                   **({"host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
-                      if a.mode == "slidedp" else {}),
-                   **({"fsdp_cpu_offload": a.fsdp_cpu_offload} if a.mode == "fsdp2" else {}),
-                   **({"zero_stage": a.zero_stage} if a.mode == "deepspeed" else {}),
-                   "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
-                   "world": world, "seq": a.seq, "local_batch": batch, "accum": accum,
-                   "max_norm": a.max_norm, "nonfinite": a.nonfinite, "step_time_s": step_time,
-                   **throughput(global_tokens=batch * a.seq * world, step_time=step_time,
-                                flops_per_token=args.flops_per_token(a.seq), world=world,
-                                on_cuda=device.type == "cuda"),
-                   **memory(device),
-                   # A step reports a key only when it has one (update_tail_s: when a step's
-                   # updates all ended), so each mean is over the steps that have it.
-                   **{k: statistics.mean(e[k] for e in extras if k in e)
-                      for k in dict.fromkeys(k for e in extras for k in e)},
-                   **traced}
+                backend.set_update_order(order)
+            step = (runner.step if a.mode == "reference" else
+                    _train_step(backend, accum=accum, tokens=batch * a.seq * world))
+            measured = _measure(a, step, batch=batch,
+                                name=f"{a.mode}_{route.replace('/', '-')}_b{batch}x{accum}", **context)
+            slidedp = dict(activation_blocks=a.activation_blocks, keep_blocks=a.keep_blocks,
+                           slots=a.slots, chunk_mib=a.chunk_mib, update_order=order,
+                           **_host_state(a, backend, args)) if a.mode == "slidedp" else {}
+            row = _row(a, args=args, route=route, ac=a.ac if a.mode != "slidedp" else policy,
+                       batch=batch, accum=accum, slidedp=slidedp, measured=measured, **keys)
             if rank == 0:
                 emit("bench", row, a.out)
+    if a.autopolicy and a.mode == "slidedp":
+        _autopolicy(a, backend, route=routes[-1], keys=keys, **context)
     if a.mode != "reference":
         backend.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _train_step(backend, *, accum: int, tokens: int):
+    """One training step of `backend` on a batch split into `accum` micro-batches."""
+
+    def step(data) -> dict:
+        micro = list(zip(*(t.chunk(accum) for t in data)))
+        return backend.train_step(micro, lr=1e-5, global_target_tokens=tokens).extra
+
+    return step
+
+
+def _measure(a: argparse.Namespace, step, *, args: QwenArgs, batch: int, name: str, rank: int,
+             world: int, device: torch.device) -> dict:
+    """`--warmup` steps, the median of `--steps` timed ones (device synchronized), the means of
+    the backend's counters over them, and with `--trace-dir` one profiled step after them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    times, extras, traced = [], [], {}
+    # SlideDP's host updates of step t run on during step t+1 (all of them with clipping): the
+    # warm-up must hold one whole update cycle (the first also faults in the Adam moments' host
+    # pages).
+    warmup = a.warmup + (a.mode == "slidedp")
+    n_timed = warmup + a.steps
+    # The traced step (rank 0 profiles) comes after the timed ones: its overhead stays out.
+    trace = bool(a.trace_dir) and a.trace_batch in (0, batch)
+    batches = iter(SyntheticBatches(vocab_size=args.vocab_size, seq_len=a.seq,
+                                    local_batch_size=batch, dp_rank=rank, dp_world=world, seed=0))
+    for i in range(n_timed + trace):
+        data = next(batches)
+        profiling = i == n_timed and rank == 0
+        prof = _profiler() if profiling else contextlib.nullcontext()
+        start = time.perf_counter()
+        with prof:
+            extra = step(data)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if profiling:
+            path = os.path.join(a.trace_dir, f"{name}.json.gz")
+            prof.export_chrome_trace(path)
+            traced = {"traced_step_s": elapsed, **breakdown(path, step_time_s=elapsed)}
+        elif warmup <= i < n_timed:
+            times.append(elapsed)
+            extras.append(extra)
+    return {"step_time_s": statistics.median(times),
+            # A step reports a key only when it has one (update_tail_s: when a step's updates all
+            # ended), so each mean is over the steps that have it.
+            **{k: statistics.mean(e[k] for e in extras if k in e)
+               for k in dict.fromkeys(k for e in extras for k in e)},
+            **traced}
+
+
+def _host_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
+    return {"bf16_shadow": not a.no_shadow,
+            "host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
+
+
+def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: int, accum: int,
+         slidedp: dict, measured: dict, kernels: str, attention_op: str, world: int,
+         device: torch.device, label: str | None = None) -> dict:
+    """One measured point as a JSONL row (its configuration, then what was measured)."""
+    step_time = measured["step_time_s"]
+    none = dict.fromkeys(("activation_blocks", "keep_blocks", "slots", "chunk_mib",
+                          "update_order", "bf16_shadow"))
+    return {"mode": a.mode, "label": a.label if label is None else label, "flavor": a.flavor,
+            "route": route, "kernels": kernels, "attention_op": attention_op, "ac": ac,
+            **{**none, **slidedp},
+            **({"fsdp_cpu_offload": a.fsdp_cpu_offload} if a.mode == "fsdp2" else {}),
+            **({"zero_stage": a.zero_stage} if a.mode == "deepspeed" else {}),
+            "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
+            "world": world, "seq": a.seq, "local_batch": batch, "accum": accum,
+            "max_norm": a.max_norm, "nonfinite": a.nonfinite, "step_time_s": step_time,
+            **throughput(global_tokens=batch * a.seq * world, step_time=step_time,
+                         flops_per_token=args.flops_per_token(a.seq), world=world,
+                         on_cuda=device.type == "cuda"),
+            **memory(device),
+            **{k: v for k, v in measured.items() if k != "step_time_s"}}
+
+
+def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args: QwenArgs,
+                rank: int, world: int, device: torch.device) -> None:
+    """AutoPolicy (slidedp/plan/autopolicy.py) on this build at `--autopolicy` sequences per GPU,
+    then its choice measured like every point: a row labelled "autopolicy" with the selection's
+    time and steps and the configuration it started from measured by AutoPolicy itself."""
+    cfg = _config(a, route)
+    cfg.training.local_batch_size = a.autopolicy
+    # It starts from the configured policies (--activation, ...), not the last point's.
+    backend.set_activation(default=a.activation, blocks=a.activation_blocks,
+                           keep_blocks=a.keep_blocks)
+    chosen = select_live(backend, cfg, args, flavor=a.flavor, device=device, rank=rank,
+                         world=world, group=dist.group.WORLD if world > 1 else None,
+                         out=os.path.join(os.path.dirname(a.out) or ".",
+                                          f"policy_{a.flavor}_b{a.autopolicy}.toml"),
+                         steps=a.autopolicy_steps)
+    s, policies = chosen["setting"], chosen["policies"]
+    tokens = a.autopolicy * a.seq * world
+    measured = _measure(a, _train_step(backend, accum=1, tokens=tokens), args=args,
+                        batch=a.autopolicy, name=f"autopolicy_b{a.autopolicy}", rank=rank,
+                        world=world, device=device)
+    slidedp = dict(activation_blocks=format_blocks(policies, policies[0]), keep_blocks=0,
+                   slots=s.window_slots, chunk_mib=s.chunk_mib, update_order=a.update_order.split(",")[0],
+                   **_host_state(a, backend, args))
+    row = _row(a, args=args, route=f"{s.delivery}/{s.reduction}", ac=policies[0].name,
+               batch=a.autopolicy, accum=1, slidedp=slidedp, label="autopolicy",
+               measured={**measured, "selection_s": chosen["selection_s"],
+                         "selection_steps": chosen["steps"],
+                         "autopolicy_given_s": chosen["baseline_s"],
+                         "autopolicy_chosen_s": chosen["step_s"]}, **keys)
+    if rank == 0:
+        emit("bench", row, a.out)
 
 
 def system_name(row: dict) -> str:

@@ -1,6 +1,6 @@
 """CPU Adam against cores, beside the host's memory bandwidth measured in the same run: for each
 thread count, our fused AdamW (slidedp/cpu_adam.py), torch's fused AdamW with the casts a runtime
-needs around it, a torch copy_, and a STREAM triad (recipes/bench/stream.py) on as many threads.
+needs around it, a torch copy_, and a STREAM triad (slidedp/plan/stream.py) on as many threads.
 The update's bytes are counted at 28 per parameter, the triad's as STREAM counts them.
 
     python -m recipes.reproduce.cpu_adam_scaling [--params 200e6] [--threads 1,2,4,8,16]
@@ -8,8 +8,9 @@ The update's bytes are counted at 28 per parameter, the triad's as STREAM counts
 
 import os
 
-from recipes.bench import cpu_adam, stream
+from recipes.bench import cpu_adam
 from recipes.reproduce.common import Column, log2_axis, parser, start, write_outputs
+from slidedp.plan import stream
 
 PAPER = ("on the H100 host CPU Adam reaches an estimated 182-184 GB/s at 16 physical cores "
          "across 101-488M-parameter layers; 32 cores improve the update by only 8.5-10.0%.")

@@ -59,6 +59,7 @@ whose autocast keeps the residual stream in FP32 (its activations count as the c
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -243,24 +244,32 @@ def _resident_and_gradients(config, args: QwenArgs, *, world: int,
     return buffers + grads + receive + cast, waiting
 
 
-def estimate_device_memory(config, args: QwenArgs, *, world: int,
-                           kernels: Kernel = "torch") -> MemoryEstimate:
+def estimate_device_memory(config, args: QwenArgs, *, world: int, kernels: Kernel = "torch",
+                           block_bytes: Callable[[ActivationPolicy], float] | None = None
+                           ) -> MemoryEstimate:
     """The estimate for `config` (a recipes.config.JobConfig) on `world` ranks computing with
-    `kernels` (what models/kernels.py resolves [model] kernels to on the device)."""
+    `kernels` (what models/kernels.py resolves [model] kernels to on the device).
+    `block_bytes(policy)`: one block's device bytes per token under `policy` where they were
+    measured (the planner's, slidedp/plan/workload.py), instead of the terms above."""
     training = config.training
     compute_bytes = _compute_bytes(config)
     tokens = training.local_batch_size * training.seq_len
     policies = _policies(config, args.n_layers)
-    per_token = sum(activation_bytes_per_token(args, p, compute_bytes=compute_bytes,
-                                               kernels=kernels) for p in policies)
+
+    def per_block(policy: ActivationPolicy) -> float:
+        if block_bytes is not None:
+            return block_bytes(policy)
+        return activation_bytes_per_token(args, policy, compute_bytes=compute_bytes,
+                                          kernels=kernels)
+
+    per_token = sum(per_block(p) for p in policies)
     if any(p != KEEP for p in policies):  # the block backward rebuilds (or brings back)
-        per_token += activation_bytes_per_token(args, KEEP, compute_bytes=compute_bytes,
-                                                kernels=kernels)
+        per_token += per_block(KEEP)
     per_token += _bytes_per_token(STREAM_TERMS, args, compute_bytes=compute_bytes)
     resident, gradients = _resident_and_gradients(config, args, world=world,
                                                    compute_bytes=compute_bytes)
     return MemoryEstimate(
-        resident=resident, gradients=gradients, activations=tokens * per_token,
+        resident=resident, gradients=gradients, activations=math.ceil(tokens * per_token),
         logits=(min(training.loss_chunk_tokens, tokens) * args.vocab_size * LOGITS_BYTES[kernels]
                 + args.vocab_size * args.dim * HEAD_GRAD_BYTES[kernels]))
 

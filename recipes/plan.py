@@ -1,0 +1,145 @@
+"""What a run needs and how fast it will go, printed before anything is allocated:
+
+    python -m recipes.plan CONFIG [--section.key=value ...] [--rates R] [--ngpu N] [--search]
+
+The plan (slidedp/plan/report.py) needs the rates of the machine it is for: `--rates NAME` (a
+file shipped in slidedp/plan/rates/, e.g. h200x2, a800x8_nvlink: plan for hardware you do not
+have) or `--rates FILE`; without it, the probe's cache for this machine and model, else the
+probe runs here first (on a GPU; on the CPU only for small models), as `python -m
+recipes.probe` does on its own. `--search` runs AutoPolicy from the model alone (nothing
+measured) and writes its choice to a policy file that `slidedp.policy_file` loads.
+
+The configuration is read and checked exactly as recipes/train.py reads it; this command, not
+slidedp/plan/, owns that (slidedp/ imports nothing from recipes/).
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from models.kernels import resolve_kernels
+from recipes.config import ConfigError, parse_config, resolve_model
+from slidedp.plan.autopolicy import candidates_of, search_offline
+from slidedp.plan.predict import policies_of
+from slidedp.plan.probe import probe
+from slidedp.plan.rates import Rates, load_rates
+from slidedp.plan.report import Job, plan_text
+
+
+class PlanError(ValueError):
+    """A one-line, user-facing error of the planner."""
+
+
+def load_job(flags: list[str]) -> Job:
+    """The configuration of `flags`, read, checked and resolved as a run would."""
+    try:
+        config = parse_config(flags)
+        flavor, args = resolve_model(config)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+    return Job(config=config, flavor=flavor, args=args)
+
+
+def probe_job(job: Job, *, device: torch.device, rank: int = 0, world: int = 1, group=None,
+              refresh: bool = False) -> Rates:
+    """This machine's rates for `job`'s model, shapes, policies and AutoPolicy's candidates
+    (from the cache where it has them)."""
+    config = job.config
+    kernels = resolve_kernels(config.model.kernels, attention=config.model.attention,
+                              device_type=device.type)
+    try:
+        return probe(job.args, flavor=job.flavor, kernels=kernels,
+                     policies=[*policies_of(config, job.args), *candidates_of(config)],
+                     seq=config.training.seq_len, batch=config.training.local_batch_size,
+                     loss_chunk=config.training.loss_chunk_tokens, device=device, rank=rank,
+                     world=world, group=group, refresh=refresh)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
+def rates_for(job: Job, *, rates: str) -> Rates:
+    """`--rates` if given, else this machine's (cached, or probed now on one rank)."""
+    if not rates:
+        cuda = torch.cuda.is_available()
+        return probe_job(job, device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    try:
+        return load_rates(rates)
+    except (FileNotFoundError, ValueError) as e:
+        raise PlanError(f"--rates: {e}") from None
+
+
+def split_flags(argv: list[str], parser: argparse.ArgumentParser
+                ) -> tuple[argparse.Namespace, list[str]]:
+    """Our options, and the configuration's flags (--section.key=value: a dot in the name) with
+    the TOML file. The flags are taken out first: argparse would read one whose value holds a
+    space as a positional argument."""
+    is_config = [a.startswith("--") and "." in a.partition("=")[0] for a in argv]
+    ours = parser.parse_args([a for a, c in zip(argv, is_config) if not c])
+    config_flags = [f"--job.config_file={ours.config}"] if ours.config else []
+    return ours, config_flags + [a for a, c in zip(argv, is_config) if c]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", help="a train_configs/*.toml file")
+    parser.add_argument("--rates", default="", help="a rates file or the name of a shipped one")
+    parser.add_argument("--ngpu", type=int, default=0,
+                        help="ranks (GPUs) to plan for; default: the rates' machine's")
+    parser.add_argument("--search", action="store_true",
+                        help="AutoPolicy from the model alone: the best routes, slots, chunk, "
+                             "shadow and per-block policies, written to --out")
+    parser.add_argument("--out", default="slidedp_policy.toml", help="--search: the policy file")
+    ours, flags = split_flags(argv, parser)
+    try:
+        job = load_job(flags)
+        rates = rates_for(job, rates=ours.rates)
+        world = ours.ngpu or rates.machine.devices
+        if world < 1:
+            raise PlanError(f"--ngpu must be >= 1, got {world}")
+        print("\n".join(plan_text(job, rates, world=world)), flush=True)
+        if ours.search:
+            print("\n".join(search_offline(job, rates, world=world, out=ours.out)), flush=True)
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def probe_main(argv: list[str]) -> int:
+    """`python -m recipes.probe CONFIG [--section.key=value ...] [--refresh] [--out FILE]`:
+    measure (or read from the cache) this machine's rates for the configuration's model, under
+    torchrun with every GPU of the host (the links with all GPUs copying, the collectives)."""
+    parser = argparse.ArgumentParser(prog="python -m recipes.probe", description=probe_main.__doc__)
+    parser.add_argument("config", nargs="?", help="a train_configs/*.toml file (the model and shapes)")
+    parser.add_argument("--refresh", action="store_true", help="measure again, ignoring the cache")
+    parser.add_argument("--out", default="", help="also write the rates to this file")
+    ours, flags = split_flags(argv, parser)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rates = probe_job(load_job(flags), device=device, rank=rank, world=world,
+                          group=dist.group.WORLD if world > 1 else None, refresh=ours.refresh)
+        if rank == 0 and ours.out:
+            rates.save(ours.out)
+            print(f"[probe] rates written to {ours.out}")
+    except PlanError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

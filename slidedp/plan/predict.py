@@ -1,0 +1,114 @@
+"""A run's plan before anything is allocated: its memory (host and GPU, by part) and its
+predicted step, from a configuration (a recipes.config.JobConfig or anything shaped like it),
+the model's architecture and a machine's rates."""
+
+import math
+from dataclasses import dataclass, replace
+
+from models.args import QwenArgs
+from slidedp.activations import KEEP, ActivationPolicy, block_policies
+from slidedp.host_state import HostStatePlan, host_state_regions
+from slidedp.layout import StateLayout, chunk_elems
+from slidedp.plan.memory import MemoryEstimate, estimate_device_memory
+from slidedp.plan.policy_file import activation_keys
+from slidedp.plan.rates import Rates
+from slidedp.plan.steptime import Schedule, StepPrediction, StepSpec, simulate_step
+from slidedp.plan.workload import Workload
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What `plan_run` found."""
+
+    policies: tuple[ActivationPolicy, ...]
+    """Each block's activation policy."""
+    host_parts: dict[str, int]
+    """Host bytes by part: the shared state's regions, the ranks' activation offload pools."""
+    device: MemoryEstimate
+    """One rank's device bytes by part."""
+    device_capacity: int
+    """One device's bytes (0: unknown)."""
+    spec: StepSpec
+    """The step the model simulated."""
+    step: StepPrediction
+    """Its prediction."""
+    measured_bytes: bool
+    """Every policy's activation bytes were measured (else some come from the shapes)."""
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_parts.values())
+
+
+def policies_of(config, args: QwenArgs) -> list[ActivationPolicy]:
+    s = config.slidedp
+    return block_policies(args.n_layers, default=s.activation, blocks=s.activation_blocks,
+                          keep_blocks=s.keep_blocks)
+
+
+def threads_per_rank(config, rates: Rates, world: int) -> int:
+    """slidedp.cpu_threads, or this rank's share of the machine's cores (as the engine does)."""
+    return config.slidedp.cpu_threads or max(1, rates.machine.cores // world)
+
+
+def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
+              policies: list[ActivationPolicy] | None = None,
+              schedule: Schedule = "slidedp") -> StepSpec:
+    """The step the model simulates for `config` on `world` ranks of the machine of `rates`."""
+    tr, s = config.training, config.slidedp
+    policies = list(policies or policies_of(config, args))
+    work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=tr.seq_len)
+    batch = tr.local_batch_size
+    offloaded = {p: work.activation_bytes(p, batch)[1] for p in set(policies)}
+    layout = StateLayout(args, world=world)
+    return StepSpec(
+        world=world, slots=s.window_slots, delivery=s.delivery, reduction=s.reduction,
+        chunk_elems=chunk_elems(s.chunk_mib), bf16_shadow=s.bf16_shadow,
+        micro_batches=tr.grad_accum_steps, deferred=tr.max_norm > 0 or tr.nonfinite != "off",
+        grad_accum=state_plan(config).grad_accum, threads=threads_per_rank(config, rates, world),
+        cores=rates.machine.cores, unit_elems=tuple(u.padded for u in layout.units),
+        work=work.micro_batch(policies, batch), offload=tuple(p.offload for p in policies),
+        offload_bytes=tuple(offloaded[p] for p in policies),
+        tokens=batch * tr.seq_len * tr.grad_accum_steps * world, schedule=schedule,
+        kernels=kernels)
+
+
+def state_plan(config) -> HostStatePlan:
+    """The host state's regions `config` needs (slidedp/host_state.py)."""
+    tr = config.training
+    return HostStatePlan.for_run(config.slidedp, grad_accum_steps=tr.grad_accum_steps,
+                                 max_norm=tr.max_norm, nonfinite=tr.nonfinite)
+
+
+def plan_run(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
+             policies: list[ActivationPolicy] | None = None,
+             schedule: Schedule = "slidedp") -> RunPlan:
+    """Memory and the predicted step of `config` (parallelism.mode = "slidedp") on `world`
+    ranks of the machine of `rates`. `policies` replace the configuration's per-block ones."""
+    if policies is not None:
+        config = with_policies(config, policies)
+    tr = config.training
+    policies = policies_of(config, args)
+    work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=tr.seq_len)
+    batch, tokens = tr.local_batch_size, tr.local_batch_size * tr.seq_len
+    host_parts = host_state_regions(StateLayout(args, world=world), state_plan(config))
+    host_parts["offload pools"] = world * sum(work.activation_bytes(p, batch)[1] for p in policies)
+    measured = all(work.has_measured_bytes(p) for p in set(policies) | {KEEP})
+    device = estimate_device_memory(
+        config, args, world=world, kernels=kernels,
+        block_bytes=(lambda p: work.activation_bytes(p, batch)[0] / tokens) if measured else None)
+    spec = step_spec(config, args, flavor=flavor, kernels=kernels, world=world, rates=rates,
+                     schedule=schedule)
+    return RunPlan(policies=tuple(policies), host_parts=host_parts, device=device,
+                   device_capacity=math.floor(rates.machine.device_memory_gib * 2**30),
+                   spec=spec, step=simulate_step(spec, rates), measured_bytes=measured)
+
+
+def with_policies(config, policies: list[ActivationPolicy]):
+    """`config` with its per-block policies set to `policies`."""
+    return with_slidedp(config, **activation_keys(policies))
+
+
+def with_slidedp(config, **changes):
+    """`config` with some [slidedp] keys changed (the others shared)."""
+    return replace(config, slidedp=replace(config.slidedp, **changes))

@@ -1,0 +1,129 @@
+"""A plan in words: what a run needs (host and GPU memory, by part) and how fast it will go
+(the predicted step, per-resource demand and busy time, the bottleneck and what would move it).
+The command line that prints it is recipes/plan.py (`python -m recipes.plan CONFIG`)."""
+
+from dataclasses import dataclass
+
+from models.args import QwenArgs
+from slidedp.activations import KEEP, RECOMPUTE, format_blocks
+from slidedp.plan.memory import REFUSE_ABOVE, estimate_device_memory
+from slidedp.plan.predict import RunPlan, plan_run
+from slidedp.plan.rates import Rates
+from slidedp.plan.workload import Workload
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Job:
+    """A configuration as the planner reads it."""
+
+    config: object
+    """The recipe's JobConfig (or anything shaped like it)."""
+    flavor: str
+    """The model's flavor name (or "custom (<dir>)")."""
+    args: QwenArgs
+    """Its architecture."""
+
+
+def kernels_for(config, rates: Rates) -> str:
+    """What [model] kernels resolves to on the machine of `rates` ("auto": liger on a GPU, as
+    the runtime picks it where liger-kernel is installed, a dependency of this package)."""
+    choice = config.model.kernels
+    if choice != "auto":
+        return choice
+    return "torch" if rates.machine.device == "cpu" else "liger"
+
+
+def _gib(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (the debug models are small)."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def describe_rates(rates: Rates) -> str:
+    m = rates.machine
+    label = {"measured": "measured here", "recorded": "taken from recorded runs",
+             "spec": "derived from published specs, not measured"}[m.source]
+    return f"{m.name} (rates {label})"
+
+
+def format_memory(plan: RunPlan, rates: Rates) -> list[str]:
+    host = plan.host_parts
+    parts = ", ".join(f"{name} {_gib(n)}" for name, n in host.items() if n and name != "control")
+    have = rates.machine.host_memory_gib * GiB
+    verdict = "fits" if plan.host_total <= have else "DOES NOT FIT"
+    dev, cap = plan.device, plan.device_capacity
+    fit = "" if not cap else (f" of {_gib(cap)}: fits" if dev.total <= cap else
+                              f" of {_gib(cap)}: {'DOES NOT FIT' if dev.total > cap * REFUSE_ABOVE else 'tight'}")
+    source = "measured activation bytes" if plan.measured_bytes else "activations from the shapes"
+    return [f"host memory: {_gib(plan.host_total)} ({parts}) of {_gib(have)}: {verdict}",
+            f"GPU memory per rank: {_gib(dev.total)} (resident {_gib(dev.resident)}, activations "
+            f"{_gib(dev.activations)}, logits {_gib(dev.logits)}; {source}){fit}"]
+
+
+def format_step(plan: RunPlan) -> list[str]:
+    p, spec = plan.step, plan.spec
+    lines = [f"predicted step: {p.step_s:.3f} s, {p.tokens_per_s:,.0f} tokens/s "
+             f"({spec.tokens:,} tokens per step); service-demand lower bound {p.bound_s:.3f} s "
+             f"({p.bound_resource})",
+             f"  {'resource':<14} {'demand s':>9} {'busy s':>9}   GPU idle while first busy"]
+    exposed = {"h2d per GPU": "h2d", "interconnect": "collective", "d2h per GPU": "d2h",
+               "cpu update": "cpu update"}
+    for name, demand in p.demand_s.items():
+        if name == "gpu compute" or demand or p.busy_s.get(name):
+            shown = exposed.get(name)
+            idle = f"{p.exposed_s[shown]:.3f} s" if shown else ""
+            lines.append(f"  {name:<14} {demand:>9.3f} {p.busy_s.get(name, 0.0):>9.3f}   {idle}")
+    rest = {k: v for k, v in p.exposed_s.items() if k in ("cast", "other") and v > 0.0005}
+    if rest:
+        lines.append("  GPU idle otherwise: " + ", ".join(f"{k} {v:.3f} s" for k, v in rest.items()))
+    lines.append(f"bottleneck: {p.regime}: {p.why}")
+    lines.append(f"what would move it: {p.advice}")
+    return lines
+
+
+def describe_run(job: Job, *, world: int, kernels: str) -> str:
+    tr, s = job.config.training, job.config.slidedp
+    shadow = "bf16 shadow" if s.bf16_shadow else "FP32 cast on delivery"
+    clip = ("updates deferred to the norm (clipping)" if tr.max_norm > 0 else
+            "updates deferred to the norm (non-finite guard)" if tr.nonfinite != "off" else
+            "updates during backward")
+    return (f"{job.flavor}: {job.args.num_params() / 1e9:.2f}B params, {job.args.n_layers} blocks; "
+            f"{world} rank(s) x {tr.grad_accum_steps} x {tr.local_batch_size} x {tr.seq_len} "
+            f"tokens; {s.delivery}/{s.reduction}, {s.window_slots} slots, chunk {s.chunk_mib:g} "
+            f"MiB, {shadow}, {clip}; {kernels} kernels")
+
+
+def plan_text(job: Job, rates: Rates, *, world: int) -> list[str]:
+    """The printed plan of `job` on `world` ranks of the machine of `rates`."""
+    kernels = kernels_for(job.config, rates)
+    config = job.config
+    if config.parallelism.mode != "slidedp":
+        return _resident_mode_text(job, rates, world=world, kernels=kernels)
+    plan = plan_run(config, job.args, flavor=job.flavor, kernels=kernels, world=world, rates=rates)
+    return [f"plan of {describe_run(job, world=world, kernels=kernels)}",
+            f"on {describe_rates(rates)}",
+            f"activations: {format_blocks(list(plan.policies))}",
+            *format_memory(plan, rates), *format_step(plan)]
+
+
+def _resident_mode_text(job: Job, rates: Rates, *, world: int, kernels: str) -> list[str]:
+    """single / fsdp2: the device estimate and the compute alone, a lower bound of the step
+    (the step-time model simulates SlideDP's schedules)."""
+    config, tr = job.config, job.config.training
+    est = estimate_device_memory(config, job.args, world=world, kernels=kernels)
+    # "selective" (torchtitan's op-level policy) replays less than full: keep is the bound.
+    policy = RECOMPUTE if config.activation_checkpoint.mode == "full" else KEEP
+    work = Workload(rates, job.args, flavor=job.flavor, kernels=kernels, seq=tr.seq_len)
+    seconds = work.micro_batch([policy] * job.args.n_layers, tr.local_batch_size).total * tr.grad_accum_steps
+    tokens = tr.local_batch_size * tr.seq_len * tr.grad_accum_steps * world
+    cap = rates.machine.device_memory_gib * GiB
+    fit = "" if not cap else f" of {_gib(cap)}: {'fits' if est.total <= cap * REFUSE_ABOVE else 'DOES NOT FIT'}"
+    return [f"plan of {job.flavor} in mode {config.parallelism.mode} on {world} rank(s), "
+            f"{tr.grad_accum_steps} x {tr.local_batch_size} x {tr.seq_len} tokens; {kernels} kernels",
+            f"on {describe_rates(rates)}",
+            f"GPU memory per rank: {_gib(est.total)} (resident {_gib(est.resident)}, gradients "
+            f"{_gib(est.gradients)}, activations {_gib(est.activations)}, logits {_gib(est.logits)}){fit}",
+            f"compute alone (forward + backward, {config.activation_checkpoint.mode} checkpointing): "
+            f"{seconds:.3f} s per step, {tokens / seconds:,.0f} tokens/s: a lower bound of this "
+            f"mode's step (the step-time model simulates SlideDP; --parallelism.mode=slidedp plans it)"]

@@ -1,0 +1,155 @@
+"""The work of one micro-batch on the GPU, by unit and policy: seconds from measured timings
+where the probe took them, else FLOPs at an effective rate; and each policy's activation bytes.
+
+FLOPs per token of a block's segments (forward; backward counts twice its forward):
+    qkv 2·dim·(q + 2·kv), attention_core 2·seq·q (causal), o_proj 2·q·dim, mlp_up 4·dim·hidden,
+    down_proj 2·hidden·dim; the norms, QK-norm + RoPE and SwiGLU count none (q = n_heads·head_dim,
+    kv = n_kv_heads·head_dim).
+What backward replays is the forward of the segments a policy does not keep, less the last
+projection of a replayed run whose output the next segment saved itself (qkv, o_proj,
+down_proj: a linear's backward needs its input, not its output; torch's non-reentrant checkpoint
+stops once the last saved tensor is rebuilt). `recompute` thus replays all but the down
+projection; `selective` also skips the attention core; `ops(matmul+attention)` replays no FLOPs.
+The head: 2·dim·vocab per token forward, twice that backward, and with the torch kernels the
+chunked loss replays each chunk's logits (once more). The embedding counts none.
+"""
+
+from dataclasses import dataclass, replace
+from itertools import groupby
+
+from models.args import QwenArgs
+from models.qwen import BLOCK_SEGMENTS
+from slidedp.activations import ActivationPolicy, BlockCost, SavedOps, SegmentMask
+from slidedp.plan.memory import activation_bytes_per_token
+from slidedp.plan.rates import Rates, timing_key
+
+_TERMINAL_LINEAR = ("qkv", "o_proj", "down_proj")
+"""Segments ending in a projection whose output backward does not need."""
+_ATTENTION_SEGMENT = "attention_core"
+
+
+def segment_flops(args: QwenArgs, seq: int) -> dict[str, float]:
+    """Forward FLOPs per token of each block segment at sequence length `seq`."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    flops = dict.fromkeys(BLOCK_SEGMENTS, 0.0)
+    flops.update(qkv=2.0 * args.dim * (q + 2 * kv), attention_core=2.0 * seq * q,
+                 o_proj=2.0 * q * args.dim, mlp_up=4.0 * args.dim * args.hidden_dim,
+                 down_proj=2.0 * args.hidden_dim * args.dim)
+    return flops
+
+
+def replay_flops(policy: ActivationPolicy, args: QwenArgs, seq: int) -> float:
+    """FLOPs per token that backward replays under `policy` (module docstring)."""
+    flops = segment_flops(args, seq)
+    if isinstance(policy, SavedOps):
+        replayed = {"attention": "attention_core"}
+        skip = {replayed[o] for o in policy.ops if o in replayed}
+        if "matmul" in policy.ops:
+            skip |= set(BLOCK_SEGMENTS) - {_ATTENTION_SEGMENT}
+        run = [s for s in BLOCK_SEGMENTS if s not in skip]
+        return sum(flops[s] for s in run) - (flops["down_proj"] if "down_proj" in run else 0.0)
+    assert isinstance(policy, SegmentMask)
+    total = 0.0
+    for kept, run in groupby(BLOCK_SEGMENTS, key=policy.kept.__contains__):
+        run = list(run)
+        if not kept:
+            total += sum(flops[s] for s in run)
+            if run[-1] in _TERMINAL_LINEAR:
+                total -= flops[run[-1]]
+    return total
+
+
+@dataclass(frozen=True)
+class MicroBatchWork:
+    """GPU seconds of one micro-batch's uses."""
+
+    embed_forward: float
+    embed_backward: float
+    head: float
+    """The head's forward and backward (they run as one use)."""
+    block_forward: tuple[float, ...]
+    """Per block."""
+    block_backward: tuple[float, ...]
+    """Per block, the policy's replay included."""
+
+    @property
+    def total(self) -> float:
+        return (self.embed_forward + self.embed_backward + self.head + sum(self.block_forward)
+                + sum(self.block_backward))
+
+
+class Workload:
+    """GPU time and activation bytes of `args` on `kernels` at `seq`, from `rates`."""
+
+    def __init__(self, rates: Rates, args: QwenArgs, *, flavor: str, kernels: str, seq: int):
+        self.rates, self.args, self.flavor, self.kernels, self.seq = rates, args, flavor, kernels, seq
+
+    def _flop_seconds(self, flops_per_token: float, tokens: int) -> float:
+        return flops_per_token * tokens / (self.rates.tflops(self.flavor, self.kernels) * 1e12)
+
+    def _measured(self, what: str):
+        return self.rates.blocks.get(timing_key(what, self.seq))
+
+    def block(self, policy: ActivationPolicy, batch: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one block under `policy` for `batch` sequences (the
+        offload fraction costs no GPU time: its copies run on their own stream)."""
+        measured = self._measured(_base_name(policy))
+        if measured is not None:
+            return measured.forward_s * batch, measured.backward_s * batch
+        forward = sum(segment_flops(self.args, self.seq).values())
+        tokens = batch * self.seq
+        return (self._flop_seconds(forward, tokens),
+                self._flop_seconds(2 * forward + replay_flops(policy, self.args, self.seq), tokens))
+
+    def head(self, batch: int) -> float:
+        measured = self._measured("head")
+        if measured is not None:
+            return (measured.forward_s + measured.backward_s) * batch
+        per_token = 2.0 * self.args.dim * self.args.vocab_size * (4 if self.kernels == "torch" else 3)
+        return self._flop_seconds(per_token, batch * self.seq)
+
+    def embed(self, batch: int) -> tuple[float, float]:
+        measured = self._measured("embed")
+        if measured is None:
+            return 0.0, 0.0
+        return measured.forward_s * batch, measured.backward_s * batch
+
+    def micro_batch(self, policies: list[ActivationPolicy], batch: int) -> MicroBatchWork:
+        per_block = [self.block(p, batch) for p in policies]
+        return MicroBatchWork(*self.embed(batch), head=self.head(batch),
+                              block_forward=tuple(f for f, _ in per_block),
+                              block_backward=tuple(b for _, b in per_block))
+
+    # ---- activation bytes ----------------------------------------------------------------------
+
+    def cost(self, policy: ActivationPolicy) -> BlockCost | None:
+        """The measured cost of `policy` (offload fraction included) at this sequence length,
+        if the probe took it."""
+        return self.rates.costs.get(timing_key(policy.name, self.seq))
+
+    def has_measured_bytes(self, policy: ActivationPolicy) -> bool:
+        return self.cost(policy) is not None
+
+    def activation_bytes(self, policy: ActivationPolicy, batch: int) -> tuple[int, int]:
+        """(GPU, host) bytes one block keeps for backward under `policy`: measured where the
+        probe took it, else the shape-derived estimate (slidedp/plan/memory.py: segment masks
+        and op sets it has no terms for count as recompute there, a lower bound)."""
+        cost = self.cost(policy)
+        if cost is not None:
+            return cost.gpu.at(batch, self.seq), cost.host.at(batch, self.seq)
+        tokens = batch * self.seq
+        gpu = activation_bytes_per_token(self.args, policy, compute_bytes=2, kernels=self.kernels)
+        kept = activation_bytes_per_token(self.args, replace(policy, offload=0.0),
+                                          compute_bytes=2, kernels=self.kernels)
+        return gpu * tokens, (kept - gpu) * tokens
+
+
+def _base_name(policy: ActivationPolicy) -> str:
+    """Timings are per policy without its offload (offload costs the GPU stream nothing)."""
+    return policy.base
+
+
+def chunks(n: int, chunk: int) -> list[int]:
+    """Sizes of the chunks of `n` elements, `chunk` at a time."""
+    full, rest = divmod(n, chunk)
+    return [chunk] * full + ([rest] if rest else [])

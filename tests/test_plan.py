@@ -1,0 +1,207 @@
+"""`python -m recipes.plan` and `python -m recipes.probe` (slidedp/plan/): every configuration
+plans, the shipped rates files load, the policy file round-trips through the configuration, the
+probe's cache, and the model against recorded runs."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.bench.model_check import check
+from recipes.config import ConfigError, parse_config, resolve_model
+from slidedp.activations import KEEP, block_policies, parse_policy
+from slidedp.plan.policy_file import policy_settings, write_policy_file
+from slidedp.plan.predict import plan_run
+from slidedp.plan.rates import SHIPPED, load_rates, model_key
+from slidedp.plan.report import Job, plan_text
+from tests.conftest import REPO, subprocess_env
+
+CONFIGS = sorted(p.name for p in (SHIPPED.parents[2] / "train_configs").glob("*.toml"))
+
+
+def job_of(*flags: str) -> Job:
+    config = parse_config(list(flags))
+    return Job(config, *resolve_model(config))
+
+
+def planned(name: str) -> tuple[str, int, float]:
+    """A config's `# plan:` header: the rates and GPU count it is planned with, and the step
+    seconds it states (the prediction, or for single/fsdp2 the compute alone)."""
+    header = Path(REPO, "train_configs", name).read_text().split("\n\n")[0]
+    found = re.search(r"^# plan: python -m recipes\.plan train_configs/(\S+) --rates (\S+) --ngpu "
+                      r"(\d+)\n#   -> ([\d.]+) s per step", header, re.M)
+    assert found and found[1] == name, f"{name}: no '# plan:' header"
+    return found[2], int(found[3]), float(found[4])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_plans_as_its_header_says(name, tmp_path):
+    """Each config plans on its platform's rates within the memory there, and the step time in
+    its header is what the model predicts now (the debug config runs on any CPU: no header)."""
+    rates, world, stated = planned(name) if name != "debug_cpu.toml" else ("h200", 1, None)
+    job = job_of(f"--job.config_file=train_configs/{name}", f"--job.dump_folder={tmp_path}")
+    text = "\n".join(plan_text(job, load_rates(rates), world=world))
+    if job.config.parallelism.mode == "slidedp":
+        assert "bottleneck: " in text and "what would move it: " in text
+        assert "DOES NOT FIT" not in text, text
+        seconds = float(re.search(r"^predicted step: ([\d.]+) s", text, re.M)[1])
+    else:
+        seconds = float(re.search(r"^compute alone .*?: ([\d.]+) s per step", text, re.M)[1])
+    assert "GPU memory per rank:" in text
+    if stated is not None:
+        assert seconds == pytest.approx(stated, rel=0.03), text
+
+
+def test_the_platforms_of_the_paper_have_configs():
+    platforms = {planned(name)[0] for name in CONFIGS if name != "debug_cpu.toml"}
+    assert {"rtx4090x4", "a800x8_nvlink", "h100x4", "h200", "h200x2"} <= platforms
+
+
+def test_shipped_rates_files_say_where_their_figures_come_from():
+    names = {p.stem for p in SHIPPED.glob("*.json")}
+    assert {"h200", "h200x2", "rtx4090x4", "a800x8_nvlink", "a800x8_pcie", "h100x4"} <= names
+    for name in names:
+        machine = load_rates(name).machine
+        assert machine.source in ("recorded", "spec") and len(machine.note) > 100
+        assert ("NOT measured" in machine.note) == (machine.source == "spec")
+    with pytest.raises(FileNotFoundError, match="shipped: .*h200x2"):
+        load_rates("no-such-machine")
+
+
+def test_model_against_recorded_runs():
+    """A guard on the check reported in docs/PERFORMANCE.md: the recorded SlideDP and reference
+    rows of one lease per machine within 10% (rates from those machines' logs)."""
+    for rows, rates in (("h200_call3", "h200"), ("h200x2_call9", "h200x2"),
+                        ("h200x2_call10", "h200x2"), ("h200x2_call11", "h200x2")):
+        lines, errors, superseded = check([f"{REPO}/docs/results/{rows}_runs.jsonl"], load_rates(rates))
+        assert errors and not superseded and max(abs(e) for e in errors) < 0.10, "\n".join(lines)
+
+
+def test_policy_file_round_trip(tmp_path):
+    n = 4
+    policies = [parse_policy(p) for p in ("keep", "selective@offload=0.5", "recompute", "recompute")]
+    settings = policy_settings(delivery="replicated", reduction="gpu", window_slots=4, chunk_mib=8,
+                               bf16_shadow=False, policies=policies)
+    path = tmp_path / "policy.toml"
+    write_policy_file(path, settings, comments=["a test"])
+    config = parse_config(["--job.config_file=train_configs/debug_cpu.toml",
+                           "--parallelism.mode=slidedp", "--slidedp.activation=keep",
+                           f"--slidedp.policy_file={path}"])
+    s = config.slidedp
+    assert (s.delivery, s.window_slots, s.chunk_mib, s.bf16_shadow) == ("replicated", 4, 8.0, False)
+    assert block_policies(n, default=s.activation, blocks=s.activation_blocks,
+                          keep_blocks=s.keep_blocks) == policies
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[training]\nsteps = 3\n", "must hold one [slidedp] table"),
+    ("[slidedp]\nwindow_slotz = 3\n", "unknown key slidedp.window_slotz"),
+    ("[slidedp]\nwindow_slots = 1\n", "slidedp.window_slots must be >= 2"),
+    ("[slidedp]\nactivation = \"keepish\"\n", "unknown activation policy"),
+    ("[slidedp\n", "invalid TOML"),
+])
+def test_bad_policy_files_are_one_line(tmp_path, content, message):
+    path = tmp_path / "policy.toml"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--parallelism.mode=slidedp", f"--slidedp.policy_file={path}"])
+    assert str(info.value).startswith("slidedp.policy_file") or "slidedp.activation" in str(info.value)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def plan_cli(tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recipes.plan", "train_configs/debug_cpu.toml",
+                           "--parallelism.mode=slidedp", f"--job.dump_folder={tmp_path}/out",
+                           "--slidedp.autopolicy_candidates=keep, recompute", *flags],
+                          cwd=REPO, env=subprocess_env(SLIDEDP_RATES_DIR=str(tmp_path / "rates")),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_plan_probes_this_machine_once_then_reads_the_cache(tmp_path):
+    first = plan_cli(tmp_path, "--search", f"--out={tmp_path}/chosen.toml")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "[probe] measuring this machine (1 rank(s) on cpu)" in first.stdout
+    assert "block under keep: forward" in first.stdout and "(rates measured here)" in first.stdout
+    cached = list((tmp_path / "rates").glob("*--qwen3-d64-l4-*-torch.json"))
+    assert len(cached) == 1 and (tmp_path / "rates" / (cached[0].name.split("--")[0] + ".json")).is_file()
+    second = plan_cli(tmp_path)
+    assert second.returncode == 0 and "[probe]" not in second.stdout
+    predicted = [line for line in first.stdout.splitlines() if line.startswith("predicted step")]
+    assert predicted and predicted == [l for l in second.stdout.splitlines() if l.startswith("predicted step")]
+    # --search wrote a policy file that a run loads.
+    assert "search (the model alone, nothing measured):" in first.stdout
+    config = parse_config(["--parallelism.mode=slidedp", f"--slidedp.policy_file={tmp_path}/chosen.toml"])
+    assert config.slidedp.policy_file.endswith("chosen.toml")
+
+
+def test_plan_errors_are_one_line(tmp_path):
+    proc = plan_cli(tmp_path, "--rates=no-such-machine")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --rates: no rates file")
+    proc = plan_cli(tmp_path, "--slidedp.window_slots=1", "--rates=h200")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: slidedp.window_slots must be >= 2, got 1"
+
+
+def test_the_cache_is_keyed_by_model_and_kernels():
+    from models.flavors import FLAVORS
+
+    keys = {model_key(FLAVORS[f], k) for f in ("qwen3-4B", "qwen3-8B") for k in ("torch", "liger")}
+    assert len(keys) == 4
+
+
+def test_the_plan_stage_entry_points_on_the_debug_model(tmp_path):
+    """What recipes/bench/h200.sh's `plan` stage runs, on the debug model on the CPU: the probe
+    writes its rates, the predictions are written before anything is measured, the bench
+    measures the same points and then AutoPolicy's choice in the same build, and `compare`
+    joins them (AutoPolicy's row, if no point had its settings, predicted afterwards from the
+    same rates)."""
+    env = subprocess_env(SLIDEDP_RATES_DIR=str(tmp_path / "cache"))
+
+    def run(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, text=True,
+                              capture_output=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    rates, predicted, runs = tmp_path / "rates.json", tmp_path / "predicted.jsonl", tmp_path / "runs.jsonl"
+    points = ["keep:1,2", "recompute:2", "segments(attention_core):2"]
+    run("recipes.probe", "--model.flavor=qwen3-debug", "--training.seq_len=64",
+        "--training.local_batch_size=2",
+        "--slidedp.autopolicy_candidates=keep, selective, segments(attention_core)", f"--out={rates}")
+    run("recipes.bench.model_check", "predict", "--rates", str(rates), "--flavor", "qwen3-debug",
+        "--seq", "64", "--points", *points, "--out", str(predicted))
+    assert predicted.read_text().count('"predicted_s"') == 4
+    run("recipes.bench.throughput", "--mode", "slidedp", "--kernels", "torch", "--max-norm", "0",
+        "--no-memory-check", "--warmup", "1", "--steps", "1", "--flavor", "qwen3-debug", "--seq",
+        "64", "--points", *points, "--autopolicy", "2", "--autopolicy-steps", "2",
+        "--autopolicy-candidates", "keep, selective", "--out", str(runs))
+    assert (tmp_path / "policy_qwen3-debug_b2.toml").is_file()
+    table = run("recipes.bench.model_check", "compare", str(predicted), str(runs))
+    rows = [line for line in table.splitlines() if line.startswith("| runs |")]
+    # Every hand-picked point was predicted before it ran (AutoPolicy's choice may be one too).
+    assert len(rows) == 5 and not any("predicted after" in r for r in rows if "autopolicy" not in r)
+    assert "| slidedp autopolicy |" in table and "AutoPolicy, qwen3-debug at 2 x 64:" in table
+    assert "5 rows: mean |error|" in table
+
+
+def test_the_plan_stage_of_h200_sh():
+    script = Path(REPO, "recipes/bench/h200.sh").read_text()
+    stage = script[script.index("plan_stage() {"):script.index("for stage in")]
+    for step in ("plan_probe", "plan_predict", "plan_measure", "--autopolicy 16",
+                 "model_check compare"):
+        assert step in stage
+    assert "plan) plan_stage ;;" in script
+    assert subprocess.run(["bash", "-n", f"{REPO}/recipes/bench/h200.sh"]).returncode == 0
+
+
+def test_a_plan_counts_the_policies_it_is_given():
+    """plan_run's `policies` (AutoPolicy's, --search's) replace the configuration's in the memory
+    estimate as in the simulated step, not only in the latter."""
+    job = job_of("--job.config_file=train_configs/h200_qwen3_4b_slidedp.toml")
+    kw = dict(flavor=job.flavor, kernels="liger", world=1, rates=load_rates("h200"))
+    configured = plan_run(job.config, job.args, **kw)
+    kept = plan_run(job.config, job.args, policies=[KEEP] * job.args.n_layers, **kw)
+    assert set(configured.policies) == {parse_policy("selective")} and set(kept.policies) == {KEEP}
+    assert kept.device.activations > 5 * configured.device.activations
+    assert kept.step.step_s < configured.step.step_s

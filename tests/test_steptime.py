@@ -1,0 +1,124 @@
+"""The step-time model (slidedp/plan/steptime.py, simulate.py) against steps computed by hand:
+pure compute, a host-bound step, a slot-release stall, an offload-bound step; and its lower
+bounds and routes."""
+
+import pytest
+
+from slidedp.plan.rates import Machine, Rates
+from slidedp.plan.simulate import Simulation
+from slidedp.plan.steptime import STEP_EDGE_S, StepSpec, simulate_step
+from slidedp.plan.workload import MicroBatchWork
+
+FAST = 1e9  # GB/s: a link that takes no time
+
+
+def rates(**changes) -> Rates:
+    """Rates under which nothing but what a test slows down takes time."""
+    base = dict(machine=Machine(name="test", source="spec", hostname="", device="test", devices=1,
+                                cores=4, device_memory_gib=80, host_memory_gib=256),
+                h2d_gbs=FAST, d2h_gbs=FAST, h2d_together_gbs=FAST, d2h_together_gbs=FAST,
+                copy_latency_s=0.0, all_gather_gbs=FAST, reduce_scatter_gbs=FAST,
+                collective_latency_s=0.0, dram_gbs=FAST, adam_gparams={4: FAST},
+                grad_sum_gelems={4: FAST}, cast_gbs={4: FAST}, gpu_tflops={"torch": 1.0})
+    return Rates(**{**base, **changes})
+
+
+def spec(*, blocks=4, fwd=0.1, bwd=0.2, head=0.05, block_elems=1280, world=1, slots=3,
+         offload=0.0, offload_bytes=0, **changes) -> StepSpec:
+    base = dict(world=world, slots=slots, delivery="sharded", reduction="gpu", chunk_elems=1 << 20,
+                bf16_shadow=True, micro_batches=1, deferred=False, grad_accum=False, threads=4,
+                cores=4, unit_elems=(128 * world, *[block_elems] * blocks, 128 * world),
+                work=MicroBatchWork(0.0, 0.0, head, (fwd,) * blocks, (bwd,) * blocks),
+                offload=(offload,) * blocks, offload_bytes=(offload_bytes,) * blocks, tokens=1000)
+    return StepSpec(**{**base, **changes})
+
+
+def test_pure_compute_is_the_sum_of_the_gpu_work():
+    s = spec()
+    p = simulate_step(s, rates())
+    assert p.step_s == pytest.approx(s.work.total + STEP_EDGE_S, rel=1e-6)
+    assert p.regime == "gpu-bound" and p.bound_resource == "gpu compute"
+    assert p.demand_s["gpu compute"] == pytest.approx(s.work.total)
+    assert sum(p.exposed_s.values()) == pytest.approx(STEP_EDGE_S, abs=1e-6)
+
+
+def test_host_bound_step_waits_for_the_serial_updates():
+    """Each block's AdamW (A) takes longer than its backward (b): the update thread runs them
+    one after another from the last block's gradient on, so the step is forward + head + b +
+    L * A (the embedding's and head's updates are tiny)."""
+    L, elems, fwd, bwd, head = 4, 1_000_000, 0.1, 0.2, 0.05
+    a = 0.5  # seconds of AdamW per block
+    r = rates(adam_gparams={4: elems / a / 1e9})
+    p = simulate_step(spec(blocks=L, block_elems=elems, fwd=fwd, bwd=bwd, head=head), r)
+    assert p.step_s == pytest.approx(L * fwd + head + bwd + L * a + STEP_EDGE_S, rel=1e-4)
+    assert p.regime == "host-bound" and p.bound_resource == "cpu update"
+    assert p.demand_s["cpu update"] == pytest.approx(L * a, rel=1e-3)
+    assert "cpu update" in p.why and "more sequences per step" in p.advice
+    assert p.exposed_s["cpu update"] == pytest.approx(L * a - (L - 1) * bwd, rel=1e-3)
+
+
+def test_slot_release_stall_in_backward():
+    """Two slots: backward re-delivers every block but the last two, each into the slot of a
+    block whose backward must finish first. With a copy d = 2 b, each block after the first two
+    takes d in backward: forward d + L f (f = d), head h, backward 2 b (L - 1)."""
+    L, elems, bwd, head = 4, 1_000_000, 0.1, 0.05
+    d = 2 * bwd
+    r = rates(h2d_gbs=2 * elems / d / 1e9)
+    p = simulate_step(spec(blocks=L, block_elems=elems, fwd=d, bwd=bwd, head=head, slots=2), r)
+    assert p.step_s == pytest.approx(d + L * d + head + 2 * bwd * (L - 1) + STEP_EDGE_S, rel=1e-4)
+    # With a slot per block nothing is delivered twice: backward is L b.
+    roomy = simulate_step(spec(blocks=L, block_elems=elems, fwd=d, bwd=bwd, head=head, slots=L), r)
+    assert roomy.step_s == pytest.approx(d + L * d + head + L * bwd + STEP_EDGE_S, rel=1e-4)
+    assert p.exposed_s["h2d"] == pytest.approx(p.step_s - roomy.step_s + d, rel=1e-3)
+
+
+def test_offload_bound_step():
+    """Each block offloads o = 0.3 s of activations after its forward (f = 0.1 s) and brings
+    them back (p = 0.3 s) one block ahead of its backward (b = 0.2 s), all on one offload stream:
+    the copies set the pace, step = f + L o + L p + b."""
+    L, f, o, b = 3, 0.1, 0.3, 0.2
+    nbytes = 10**9
+    r = rates(h2d_gbs=nbytes / o / 1e9, d2h_gbs=nbytes / o / 1e9)
+    p = simulate_step(spec(blocks=L, fwd=f, bwd=b, head=0.05, slots=L, offload=0.5,
+                           offload_bytes=nbytes), r)
+    assert p.step_s == pytest.approx(f + L * o + L * o + b + STEP_EDGE_S, rel=1e-4)
+    assert p.regime == "host-bound"
+    assert p.exposed_s["h2d"] + p.exposed_s["d2h"] == pytest.approx(p.step_s - L * (f + b) - 0.05
+                                                                     - STEP_EDGE_S, rel=1e-3)
+
+
+@pytest.mark.parametrize("route", ["sharded/gpu", "replicated/gpu", "sharded/cpu", "replicated/cpu"])
+def test_every_route_on_three_ranks_is_at_least_its_lower_bound(route):
+    delivery, reduction = route.split("/")
+    r = rates(h2d_gbs=20, d2h_gbs=20, h2d_together_gbs=15, d2h_together_gbs=15, copy_latency_s=1e-5,
+              all_gather_gbs=100, reduce_scatter_gbs=100, collective_latency_s=1e-5, dram_gbs=50,
+              adam_gparams={1: 0.5, 4: 1.5}, grad_sum_gelems={1: 1.0, 4: 3.0})
+    s = spec(world=3, blocks=6, block_elems=3 * 40_000_000, delivery=delivery, reduction=reduction,
+             chunk_elems=8_000_000, threads=1, cores=3)
+    p = simulate_step(s, r)
+    assert p.step_s >= p.bound_s - 1e-9
+    assert p.step_s > s.work.total  # copies and updates are never free here
+
+
+def test_replicated_delivery_moves_r_times_the_bytes_over_pcie():
+    r = rates(h2d_gbs=20, h2d_together_gbs=20)
+    kw = dict(world=2, blocks=4, block_elems=2 * 50_000_000)
+    sharded = simulate_step(spec(delivery="sharded", **kw), r)
+    replicated = simulate_step(spec(delivery="replicated", **kw), r)
+    assert replicated.demand_s["h2d per GPU"] == pytest.approx(2 * sharded.demand_s["h2d per GPU"])
+
+
+def test_shared_capacity_slows_every_task_alike():
+    """Weighted max-min fairness: tasks sharing a full capacity run at the same fraction of
+    their speed alone; one that ends frees its share."""
+    sim = Simulation({"link": 10.0, "cpu": 1.0})
+    x = sim.add("l1", work={"link": 10.0}, kind="copy", step=0)  # 1 s alone
+    y = sim.add("l2", work={"link": 20.0}, kind="copy", step=0)  # 2 s alone
+    z = sim.add("l3", work={"cpu": 1.0}, kind="adam", step=0)  # nothing shared: 1 s
+    after = sim.add("l1", work={"link": 10.0}, deps=[z], kind="copy", step=0)
+    sim.run()
+    assert sim.tasks[z].end == pytest.approx(1.0)
+    # x and y at half speed: x ends at 2 s (10 of y's 20 done); then y and `after` share.
+    assert sim.tasks[x].end == pytest.approx(2.0)
+    assert sim.tasks[after].start == pytest.approx(2.0)
+    assert sim.tasks[y].end == pytest.approx(4.0) and sim.tasks[after].end == pytest.approx(4.0)
