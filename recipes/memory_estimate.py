@@ -237,7 +237,7 @@ def _resident_and_gradients(config, args: QwenArgs, *, world: int,
     cfg = style.configure(config.slidedp)
     cast = 0 if cfg.bf16_shadow or style.bf16_master else chunk_elems(cfg.chunk_mib) * 4
     deferred = updates_deferred(max_norm=training.max_norm, nonfinite=training.nonfinite,
-                                runtime=cfg.runtime)
+                                reduction=cfg.reduction)
     plan = HostStatePlan.for_run(cfg, grad_accum_steps=training.grad_accum_steps,
                                  max_norm=training.max_norm, nonfinite=training.nonfinite)
     hold = plan.hold(n_micro=training.grad_accum_steps, reduction=cfg.reduction,

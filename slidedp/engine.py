@@ -109,7 +109,7 @@ class SlideDPBackend:
         self.max_norm, self.loss_chunk = tr.max_norm, tr.loss_chunk_tokens
         self.guard = tr.nonfinite != "off"
         self.deferred = updates_deferred(max_norm=tr.max_norm, nonfinite=tr.nonfinite,
-                                         runtime=cfg.runtime)
+                                         reduction=cfg.reduction)
         self.layout = StateLayout(model_args, world=dp_world, sole_owner=self.style.sole_owner)
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
         needs = dict(grad_accum_steps=tr.grad_accum_steps, max_norm=tr.max_norm,

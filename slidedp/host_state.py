@@ -51,11 +51,11 @@ the BF16 gradient buffer, the FP32 accumulation buffer), the cpu route's staging
 summed again at the update, or the locked route's one sum of every rank's gradients."""
 
 
-def updates_deferred(*, max_norm: float, nonfinite: str, runtime: str = "slidedp") -> bool:
+def updates_deferred(*, max_norm: float, nonfinite: str, reduction: str = "gpu") -> bool:
     """The updates wait for the step's global norm: to clip, to skip a non-finite step (the
-    guard, unless training.nonfinite = "off"), or because the runtime style updates after the
-    whole backward."""
-    return max_norm > 0 or nonfinite != "off" or RUNTIME_STYLES[runtime].update_after_backward
+    guard, unless training.nonfinite = "off"), or on the locked route, whose one sum is complete
+    only when every rank's backward is."""
+    return max_norm > 0 or nonfinite != "off" or reduction == "locked"
 
 
 class StepAborted(RuntimeError):
@@ -91,7 +91,7 @@ class HostStatePlan:
         The runtime style (slidedp/peer_styles.py) sets its routes, shadow and master first."""
         style = RUNTIME_STYLES[cfg.runtime]
         cfg = style.configure(cfg)
-        deferred = updates_deferred(max_norm=max_norm, nonfinite=nonfinite, runtime=cfg.runtime)
+        deferred = updates_deferred(max_norm=max_norm, nonfinite=nonfinite, reduction=cfg.reduction)
         accumulate = grad_accum_steps > 1
         locked = cfg.reduction == "locked"
         return cls(bf16_shadow=cfg.bf16_shadow,
@@ -104,10 +104,9 @@ class HostStatePlan:
         """Where a step of `n_micro` micro-batches on the `reduction` route keeps its gradients
         until their updates (raises if these regions have no place for them)."""
         if reduction == "locked":  # the one sum serves any number of micro-batches
-            if not (self.grad_lock and deferred):
-                raise ValueError("SlideDP: reduction='locked' needs the shared gradient sum and "
-                                 "updates after backward: start with slidedp.runtime = 'megatrain'"
-                                 " or slidedp.reduction = 'locked'")
+            if not self.grad_lock:
+                raise ValueError("SlideDP: reduction='locked' needs the shared gradient sum: "
+                                 "start with slidedp.reduction = 'locked'")
             return "shared_accum"
         if n_micro > 1:
             if not self.grad_accum:

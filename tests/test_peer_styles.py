@@ -9,7 +9,7 @@ import torch
 
 from models.flavors import get_flavor
 from slidedp.config import SlideDPConfig
-from slidedp.host_state import HostStatePlan, host_state_bytes
+from slidedp.host_state import HostStatePlan, host_state_bytes, updates_deferred
 from slidedp.layout import StateLayout
 from slidedp.peer_styles import RUNTIME_STYLES
 from tests.test_slidedp import (ODD_CHUNK, assert_host_bytes, assert_matches_reference,
@@ -110,9 +110,11 @@ def test_style_sets_routes_layout_and_host_bytes():
     plan = HostStatePlan.for_run(SlideDPConfig(runtime="megatrain"), grad_accum_steps=1,
                                  max_norm=0.0, nonfinite="off")
     # Updates after the whole backward, from the one shared sum, even without clipping.
-    assert plan.hold(n_micro=1, reduction="locked", deferred=True) == "shared_accum"
-    with pytest.raises(ValueError, match="reduction='locked'"):
-        plan.hold(n_micro=1, reduction="locked", deferred=False)
+    assert updates_deferred(max_norm=0.0, nonfinite="off", reduction="locked")
+    assert plan.hold(n_micro=4, reduction="locked", deferred=True) == "shared_accum"
+    without_lock = HostStatePlan.for_run(base, grad_accum_steps=1, max_norm=0.0, nonfinite="off")
+    with pytest.raises(ValueError, match="needs the shared gradient sum"):
+        without_lock.hold(n_micro=1, reduction="locked", deferred=True)
 
 
 def test_megatrain_updates_after_the_whole_backward_and_before_the_step_returns():
@@ -149,3 +151,30 @@ def test_megatrain_updates_after_the_whole_backward_and_before_the_step_returns(
         last_return = returns[(step + 1) * n_units - 1]
         for _, begin, end in updates[step * n_units:(step + 1) * n_units]:
             assert last_return <= begin and end <= step_ends[step]
+
+
+def test_bench_compares_the_styles(tmp_path):
+    """recipes/bench/throughput.py --runtime, through the head-to-head experiment on 2 CPU ranks:
+    each style runs its own routes, its rows name it and its host bytes, and the experiment
+    divides SlideDP's throughput by each style's."""
+    import csv
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, subprocess_env
+
+    systems = "slidedp-recompute,slideformer-recompute,megatrain-recompute"
+    subprocess.run([sys.executable, "-m", "recipes.reproduce.head_to_head", "--tiny", "--nproc",
+                    "2", "--batches", "1", "--systems", systems, "--out-dir", str(tmp_path)],
+                   cwd=REPO, env=subprocess_env(), check=True, capture_output=True, timeout=600)
+    rows = {r["runtime"]: r for r in map(json.loads, open(tmp_path / "runs.jsonl"))}
+    assert {k: rows[k]["route"] for k in rows} == {
+        "slidedp": "sharded/gpu", "slideformer": "replicated/cpu", "megatrain": "replicated/locked"}
+    # 14 B/param, + 2R of staging for SlideFormer, 2 + 8 + 4 for MegaTrain (to within padding).
+    for runtime, per_param in (("slidedp", 14), ("slideformer", 18), ("megatrain", 14)):
+        assert rows[runtime]["host_state_bytes_per_param"] == pytest.approx(per_param, rel=0.02)
+    assert not rows["megatrain"]["bf16_shadow"]
+    with open(tmp_path / "head_to_head.csv") as f:
+        peers = {r["peer"] for r in csv.DictReader(f) if r["local_batch"] == "geomean"}
+    assert peers == {"slideformer", "megatrain"}
