@@ -54,14 +54,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
                                               "--ac", "full")),
     # The paper's peers SlideFormer and MegaTrain, re-implemented as policies of the SlideDP
     # runtime (slidedp/peer_styles.py), with the same activation policies.
-    System("slideformer-recompute", "slideformer", ("--mode", "slidedp", "--runtime",
-                                                    "slideformer", "--activation", "recompute")),
-    System("slideformer-keep", "slideformer", ("--mode", "slidedp", "--runtime", "slideformer",
-                                               "--activation", "keep")),
-    System("megatrain-recompute", "megatrain", ("--mode", "slidedp", "--runtime", "megatrain",
-                                                "--activation", "recompute")),
-    System("megatrain-keep", "megatrain", ("--mode", "slidedp", "--runtime", "megatrain",
-                                           "--activation", "keep")),
+    *(System(f"{runtime}-{policy}", runtime, ("--mode", "slidedp", "--runtime", runtime,
+                                              "--activation", policy))
+      for runtime in ("slideformer", "megatrain") for policy in ("recompute", "keep")),
     System("reference-none", "reference", ("--mode", "reference", "--ac", "none")),
     System("reference-full", "reference", ("--mode", "reference", "--ac", "full")),
 ]}
