@@ -148,7 +148,9 @@ class SlideDPBackend:
         self.chunk = chunk_elems(cfg.chunk_mib)
         self.streams = Streams(device)
         self.traffic = Traffic()
-        threads = cfg.cpu_threads or cpu_adam.default_num_threads(local_world=self.local_world)
+        # A sole owner (rank 0) runs every update: the host's cores are its alone.
+        threads = cfg.cpu_threads or cpu_adam.default_num_threads(
+            local_world=1 if self.style.sole_owner else self.local_world)
         self.optimizer = HostOptimizer(self.state, AdamHyper(beta1=opt.beta1, beta2=opt.beta2,
                                                              eps=opt.eps,
                                                              weight_decay=opt.weight_decay),

@@ -129,8 +129,9 @@ def main() -> None:
             counters.append({k: v for k, v in r.extra.items() if k.startswith(("traffic_", "host_"))})
         weights = {n: t.clone() for n, t in backend.named_master_parameters()}
         backend.close()
-        calls = [None] * world  # every rank's host update calls (recorded with a delay)
-        dist.all_gather_object(calls, len(updates))
+        calls = [len(updates)] * world  # every rank's host update calls (with a delay)
+        if delay:
+            dist.all_gather_object(calls, len(updates))
         if rank == 0:
             torch.save(weights, os.path.join(a.out, f"weights_{i}.pt"))
             results.append({"variant": variant, "losses": losses, "grad_norms": norms,
