@@ -178,3 +178,29 @@ def test_bench_compares_the_styles(tmp_path):
     with open(tmp_path / "head_to_head.csv") as f:
         peers = {r["peer"] for r in csv.DictReader(f) if r["local_batch"] == "geomean"}
     assert peers == {"slideformer", "megatrain"}
+
+
+@pytest.mark.parametrize("runtime", ["slideformer", "megatrain"])
+def test_peer_styles_save_and_resume_exactly(runtime, tmp_path):
+    """./run_train.sh on 2 ranks: a style's saves (SlideFormer's rank 1 owns an empty shard,
+    MegaTrain's master is BF16) resume bit for bit."""
+    from safetensors.torch import load_file
+
+    from tests.test_resume import (HALF, STEPS, assert_resumed_exactly, assert_same_state,
+                                   keep_first_half_of_metrics, train, train_state)
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    flag = f"--slidedp.runtime={runtime}"
+    full = train(first, "slidedp", flag)
+    second.mkdir()
+    keep_first_half_of_metrics(first, second)
+    resumed = train(second, "slidedp", flag, f"--checkpoint.resume_from={first}/hf/step-{HALF}")
+    assert_resumed_exactly(full, resumed)
+    final = f"hf/step-{STEPS}"
+    saved = train_state(first / final, tmp_path)
+    assert_same_state(train_state(second / final, tmp_path), saved)
+    masters = [t for k, t in saved.items() if "/master.u" in k]
+    assert masters and {t.dtype for t in masters} == {
+        torch.bfloat16 if runtime == "megatrain" else torch.float32}
+    assert_same_state(load_file(second / final / "model.safetensors"),
+                      load_file(first / final / "model.safetensors"))
