@@ -204,3 +204,23 @@ def test_peer_styles_save_and_resume_exactly(runtime, tmp_path):
         torch.bfloat16 if runtime == "megatrain" else torch.float32}
     assert_same_state(load_file(second / final / "model.safetensors"),
                       load_file(first / final / "model.safetensors"))
+
+
+def test_preflight_and_device_estimate_count_each_style():
+    """The start-up check's exact host bytes for Qwen3-8B on 2 ranks, and the device estimate:
+    MegaTrain-style holds no FP32 cast buffer (its BF16 master goes to the GPU as it is) and its
+    gradients wait on the host, so its device bytes are SlideDP's with the shadow."""
+    from recipes.config import JobConfig
+    from recipes.memory_estimate import estimate_device_memory
+    from recipes.preflight import slidedp_host_bytes
+
+    args = get_flavor("qwen3-8B")
+    per_param, device = {}, {}
+    for runtime in ("slidedp", "slideformer", "megatrain"):
+        config = JobConfig()
+        config.parallelism.mode, config.slidedp.runtime = "slidedp", runtime
+        per_param[runtime] = slidedp_host_bytes(config, args, world=2) / args.num_params()
+        device[runtime] = estimate_device_memory(config, args, world=2).total
+    assert per_param == pytest.approx({"slidedp": 14, "slideformer": 18, "megatrain": 14},
+                                      rel=1e-3)
+    assert device["megatrain"] == device["slidedp"]
