@@ -7,20 +7,30 @@ from slidedp.update_order import UpdateOrderName
 
 DeliveryRoute = Literal["replicated", "sharded"]
 """Host->GPU parameter routes (slidedp/delivery.py)."""
-ReductionRoute = Literal["gpu", "cpu"]
+ReductionRoute = Literal["gpu", "cpu", "locked"]
 """GPU->host gradient routes (slidedp/update.py)."""
+RuntimeName = Literal["slidedp", "slideformer", "megatrain"]
+"""The runtime's own policies, or a peer system's re-implemented on it (slidedp/peer_styles.py)."""
 
 
 @dataclass
 class SlideDPConfig:
     """Knobs of the host-resident streaming runtime (used when parallelism.mode = "slidedp")."""
 
+    runtime: RuntimeName = "slidedp"
+    """Whose data-parallel policies to run: "slidedp" (this runtime's), or a re-implementation of
+    a peer's published design on the same engine for comparison: "slideformer" (replicated
+    delivery, full gradients home, rank 0 alone sums and updates, a barrier per chunk) or
+    "megatrain" (BF16 host weights, one locked shared gradient sum, the update after the whole
+    backward); a peer style sets delivery, reduction and bf16_shadow itself."""
     delivery: DeliveryRoute = "sharded"
     """Parameter route host->GPU: "replicated" (every rank copies the whole block) or "sharded"
     (each rank copies 1/R, then all-gather on the GPUs)."""
     reduction: ReductionRoute = "gpu"
     """Gradient route GPU->host: "gpu" (reduce-scatter on the GPUs, one aggregated shard per rank
-    returns) or "cpu" (every rank returns its full gradient, the host sums)."""
+    returns), "cpu" (every rank returns its full gradient, the host sums) or "locked" (every rank
+    adds its full gradient into one shared FP32 sum under one host lock; updates then wait for
+    the whole backward)."""
     window_slots: int = 3
     """GPU parameter slots for transformer blocks (>= 2: one computing, one being delivered)."""
     chunk_mib: float = 32.0

@@ -1,4 +1,5 @@
-"""Parameter delivery: host BF16 shadow (or the FP32 master, cast on the GPU) -> a GPU buffer.
+"""Parameter delivery: host BF16 shadow (or the FP32 master, cast on the GPU; or a BF16 master
+as it is) -> a GPU buffer.
 
 Without the shadow each chunk of the FP32 master goes over PCIe as it is (the mapping is
 registered, so the copy is DMA from the shared bytes) into a device staging buffer and is cast to
@@ -38,7 +39,9 @@ class Delivery:
         self.chunk, self.traffic = chunk_elems, traffic
         self.stream = streams.new_stream()
         self.fp32_staging: torch.Tensor | None = None
-        if not state.plan.bf16_shadow:
+        # The BF16 copy to read: the shadow, or a BF16 master itself.
+        self.source = "shadow" if state.plan.bf16_shadow else "master"
+        if not state.plan.bf16_shadow and not state.plan.bf16_master:
             # One buffer suffices: the copy of chunk k+1 queues behind the cast of chunk k on the
             # delivery stream, and the cast takes a few percent of the copy's time.
             with streams.use(self.stream):
@@ -61,7 +64,7 @@ class Delivery:
             for start in range(lo, hi, self.chunk):
                 end = min(start + self.chunk, hi)
                 if self.fp32_staging is None:
-                    dst[start:end].copy_(self.state.unit_view("shadow", unit.index, start, end),
+                    dst[start:end].copy_(self.state.unit_view(self.source, unit.index, start, end),
                                          non_blocking=True)
                     continue
                 staged = self.fp32_staging[:end - start]

@@ -65,6 +65,7 @@ from slidedp.delivery import Delivery
 from slidedp.host_state import (Hold, HostStatePlan, SharedHostState, StepAborted,
                                 available_host_bytes, host_state_bytes, updates_deferred)
 from slidedp.layout import StateLayout, Unit, chunk_elems
+from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.save_gate import SaveGate
 from slidedp.schedule import Use, plan_micro_batch
 from slidedp.state_file import load_shards, read_master, save_shards
@@ -95,7 +96,10 @@ class SlideDPBackend:
 
     def __init__(self, job_config, model_args: QwenArgs, *, device: torch.device, dp_rank: int,
                  dp_world: int):
-        cfg, tr, opt = job_config.slidedp, job_config.training, job_config.optimizer
+        tr, opt = job_config.training, job_config.optimizer
+        # The runtime style (slidedp/peer_styles.py) sets its own routes and shadow.
+        self.style = RUNTIME_STYLES[job_config.slidedp.runtime]
+        cfg = self.style.configure(job_config.slidedp)
         self.cfg, self.args, self.device = cfg, model_args, device
         # The same kernels as every other mode, for the blocks run on streamed weights.
         kernels = self.kernels = resolve_kernels(job_config.model.kernels,
@@ -104,8 +108,9 @@ class SlideDPBackend:
         self.rank, self.world = dp_rank, dp_world
         self.max_norm, self.loss_chunk = tr.max_norm, tr.loss_chunk_tokens
         self.guard = tr.nonfinite != "off"
-        self.deferred = updates_deferred(max_norm=tr.max_norm, nonfinite=tr.nonfinite)
-        self.layout = StateLayout(model_args, world=dp_world)
+        self.deferred = updates_deferred(max_norm=tr.max_norm, nonfinite=tr.nonfinite,
+                                         reduction=cfg.reduction)
+        self.layout = StateLayout(model_args, world=dp_world, sole_owner=self.style.sole_owner)
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
         needs = dict(grad_accum_steps=tr.grad_accum_steps, max_norm=tr.max_norm,
                      nonfinite=tr.nonfinite)
@@ -143,7 +148,9 @@ class SlideDPBackend:
         self.chunk = chunk_elems(cfg.chunk_mib)
         self.streams = Streams(device)
         self.traffic = Traffic()
-        threads = cfg.cpu_threads or cpu_adam.default_num_threads(local_world=self.local_world)
+        # A sole owner (rank 0) runs every update: the host's cores are its alone.
+        threads = cfg.cpu_threads or cpu_adam.default_num_threads(
+            local_world=1 if self.style.sole_owner else self.local_world)
         self.optimizer = HostOptimizer(self.state, AdamHyper(beta1=opt.beta1, beta2=opt.beta2,
                                                              eps=opt.eps,
                                                              weight_decay=opt.weight_decay),
@@ -192,8 +199,10 @@ class SlideDPBackend:
 
     def set_routes(self, *, delivery: str, reduction: str, chunk_mib: float | None = None) -> None:
         """Switch the parameter and gradient routes between steps; the host state is untouched
-        (the CPU route needs its staging region, allocated when slidedp.reduction = "cpu").
-        `chunk_mib` changes the chunk of the copy and update pipelines as well."""
+        (the CPU route needs its staging region, allocated when slidedp.reduction = "cpu");
+        `chunk_mib` changes the chunk of the copy and update pipelines as well. A peer runtime
+        style runs its own routes only."""
+        self.style.check_routes(delivery, reduction)
         if reduction == "cpu" and not self.state.plan.cpu_staging:
             raise ValueError("reduction='cpu' needs the host staging region: start with "
                              "slidedp.reduction = 'cpu'")
@@ -211,7 +220,8 @@ class SlideDPBackend:
                                           group=self._reduce_group, chunk_elems=self.chunk,
                                           traffic=self.traffic,
                                           max_unit=max(u.padded for u in self.layout.units),
-                                          threads=self.optimizer.threads)
+                                          threads=self.optimizer.threads,
+                                          barrier_per_chunk=self.style.barrier_per_chunk)
 
     def set_update_order(self, name: UpdateOrderName) -> None:
         """Switch slidedp.update_order between steps (the bench compares the orders in one
@@ -344,17 +354,25 @@ class SlideDPBackend:
             if self.rank == 0:
                 torch.manual_seed(seed)
                 for name in self.layout.by_name:
-                    init_parameter(name, self._master_view(name))
+                    self._init_parameter(name)
                 mine = self.layout.units
         else:
             mine = self.layout.units[self.rank::self.world]
             for unit in mine:
                 gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
                 for p in unit.params:
-                    init_parameter(p.name, self._master_view(p.name), generator=gen)
+                    self._init_parameter(p.name, generator=gen)
         if self.state.plan.bf16_shadow:
             for unit in mine:
                 self.state.unit_view("shadow", unit.index).copy_(self.state.unit_view("master", unit.index))
+
+    def _init_parameter(self, name: str, generator: torch.Generator | None = None) -> None:
+        """Draws in FP32, as `single` does, then stores (a BF16 master: rounded)."""
+        master = self._master_view(name)
+        drawn = master if master.dtype == torch.float32 else torch.empty(master.shape)
+        init_parameter(name, drawn, generator=generator)
+        if drawn is not master:
+            master.copy_(drawn)
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -430,7 +448,7 @@ class SlideDPBackend:
                 for _ in route.chunks(returned, release=False):
                     pass  # the sum, for the norm; the copies stay until the update sums again
                 return returned
-            if hold == "device":
+            if hold in ("device", "shared_accum"):
                 return returned
         self._update(unit, route.chunks(returned), coef=1.0, lr=lr, adam_step=adam_step,
                      version=version, tail=tail)
@@ -453,13 +471,16 @@ class SlideDPBackend:
                 self.state.unit_view("master", unit.index, lo, hi))
         elif hold == "staging":
             route.release(held)
+        elif hold == "shared_accum":
+            for _ in route.chunks(held):
+                pass  # zeroes the sum for the next step
         self._set_version(unit, version, tail)
 
     def _held_grads(self, unit: Unit, hold: Hold, route: GradientReturn,
                     held) -> Iterable[tuple[int, int, torch.Tensor]]:
         """The unit's summed gradient shard where it waited, in unit-local chunks."""
-        if hold in ("device", "staging"):
-            return route.chunks(held)  # the copy home, or the host sum again
+        if hold in ("device", "staging", "shared_accum"):
+            return route.chunks(held)  # the copy home, the host sum again, or the shared sum
         Streams.synchronize(held)  # a host region: the copy home has landed
         lo, hi = unit.shard(self.rank, self.world)
         region, base = self.state.regions[hold], unit.host_offset
@@ -643,6 +664,8 @@ class SlideDPBackend:
                 self._queue_update(unit, hold, self._returned[unit.index], coef=coef,
                                    skip=skipped, lr=lr, adam_step=self.adam_steps,
                                    version=self.steps_done, tail=tail)
+        if self.style.update_after_backward:  # none overlaps the next step
+            self._drain()
         extra = self.traffic.take()
         extra.update(update_wait_s=t_returned - t_compute, **self._finished_tail(),
                      **self._host_times_since_last_step())

@@ -8,7 +8,8 @@ are no stale segments to clean up by hand). On CUDA machines the ranges that DMA
 as pinned memory (cudaHostRegister), so each byte exists once and copies are asynchronous.
 
 Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_ALIGN):
-  master fp32, exp_avg fp32, exp_avg_sq fp32     12 bytes/param, always
+  master fp32, exp_avg fp32, exp_avg_sq fp32     12 bytes/param, always (a BF16 master, 10 in
+                                                  all, for slidedp.runtime = "megatrain")
   shadow bf16                                     2 bytes/param, when bf16_shadow (delivery source;
                                                   with one micro-batch it also holds each unit's
                                                   returned gradient until the unit's update)
@@ -16,14 +17,18 @@ Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_A
                                                   wait for the step's norm (clipping or the
                                                   non-finite guard), one micro-batch, gpu route
   grad_accum fp32                                 4 bytes/param, only with gradient accumulation
+                                                  or reduction="locked" (one sum every rank adds
+                                                  its whole gradient into, under one lock)
   staging bf16 x world                            2*R bytes/param, only for reduction="cpu"
                                                   (every rank returns its full gradient; it also
                                                   holds a deferred step's gradients)
   control int64                                   per-unit version / ready / consumed counters
 """
 
+import fcntl
 import mmap
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -33,22 +38,24 @@ import torch
 
 from slidedp.config import SlideDPConfig
 from slidedp.layout import StateLayout
+from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.streams import register_host, unregister_host
 
 _CONTROL_FIELDS = ("version", "ready", "consumed")
 
 
-Hold = Literal["none", "device", "shadow", "grad_bf16", "grad_accum", "staging"]
+Hold = Literal["none", "device", "shadow", "grad_bf16", "grad_accum", "staging", "shared_accum"]
 """Where a step's returned gradients wait for their updates: nowhere (the cpu route's host sum
 feeds the update as it arrives), the reduced shard on the GPU, a host region (the BF16 shadow,
-the BF16 gradient buffer, the FP32 accumulation buffer), or the cpu route's staging copies,
-summed again at the update."""
+the BF16 gradient buffer, the FP32 accumulation buffer), the cpu route's staging copies,
+summed again at the update, or the locked route's one sum of every rank's gradients."""
 
 
-def updates_deferred(*, max_norm: float, nonfinite: str) -> bool:
-    """The updates wait for the step's global norm: to clip, or to skip a non-finite step (the
-    guard, unless training.nonfinite = "off")."""
-    return max_norm > 0 or nonfinite != "off"
+def updates_deferred(*, max_norm: float, nonfinite: str, reduction: str = "gpu") -> bool:
+    """The updates wait for the step's global norm: to clip, to skip a non-finite step (the
+    guard, unless training.nonfinite = "off"), or on the locked route, whose one sum is complete
+    only when every rank's backward is."""
+    return max_norm > 0 or nonfinite != "off" or reduction == "locked"
 
 
 class StepAborted(RuntimeError):
@@ -68,6 +75,10 @@ class HostStatePlan:
     """Keep an FP32 gradient buffer (accumulation over micro-batches)."""
     cpu_staging: bool
     """Per-rank full-gradient return buffers (CPU-side reduction)."""
+    bf16_master: bool = False
+    """The master weights are BF16 (slidedp.runtime = "megatrain"): 2 bytes/param, not 4."""
+    grad_lock: bool = False
+    """The ranks add their gradients into `grad_accum` under one host lock (reduction="locked")."""
 
     @classmethod
     def for_run(cls, cfg: SlideDPConfig, *, grad_accum_steps: int, max_norm: float,
@@ -76,17 +87,27 @@ class HostStatePlan:
         micro-batch a gradient is BF16 as reduced, so it waits as BF16 when the updates wait for
         the step's global norm (clipping, or the non-finite guard unless training.nonfinite =
         "off"): in the shadow, whose unit is not read again before its update; without one in
-        its own BF16 region; on the cpu route in the staging copies, summed again at the update."""
-        deferred = updates_deferred(max_norm=max_norm, nonfinite=nonfinite)
+        its own BF16 region; on the cpu route in the staging copies, summed again at the update.
+        The runtime style (slidedp/peer_styles.py) sets its routes, shadow and master first."""
+        style = RUNTIME_STYLES[cfg.runtime]
+        cfg = style.configure(cfg)
+        deferred = updates_deferred(max_norm=max_norm, nonfinite=nonfinite, reduction=cfg.reduction)
         accumulate = grad_accum_steps > 1
+        locked = cfg.reduction == "locked"
         return cls(bf16_shadow=cfg.bf16_shadow,
                    grad_bf16=(deferred and not accumulate and not cfg.bf16_shadow
                               and cfg.reduction == "gpu"),
-                   grad_accum=accumulate, cpu_staging=cfg.reduction == "cpu")
+                   grad_accum=accumulate or locked, cpu_staging=cfg.reduction == "cpu",
+                   bf16_master=style.bf16_master, grad_lock=locked)
 
     def hold(self, *, n_micro: int, reduction: str, deferred: bool) -> "Hold":
         """Where a step of `n_micro` micro-batches on the `reduction` route keeps its gradients
         until their updates (raises if these regions have no place for them)."""
+        if reduction == "locked":  # the one sum serves any number of micro-batches
+            if not self.grad_lock:
+                raise ValueError("SlideDP: reduction='locked' needs the shared gradient sum: "
+                                 "start with slidedp.reduction = 'locked'")
+            return "shared_accum"
         if n_micro > 1:
             if not self.grad_accum:
                 raise ValueError(f"SlideDP: {n_micro} micro-batches per step need the FP32 "
@@ -110,13 +131,17 @@ class HostStatePlan:
     def describe(self) -> str:
         """The optional regions, as the start-up report names them."""
         optional = ((self.bf16_shadow, "bf16 shadow"), (self.grad_bf16, "bf16 grad buffer"),
-                    (self.grad_accum, "fp32 grad buffer"), (self.cpu_staging, "per-rank grad staging"))
-        return " + ".join(["fp32 master+moments", *(name for present, name in optional if present)])
+                    (self.grad_accum and not self.grad_lock, "fp32 grad buffer"),
+                    (self.grad_lock, "one locked fp32 grad sum"),
+                    (self.cpu_staging, "per-rank grad staging"))
+        master = "bf16 master+fp32 moments" if self.bf16_master else "fp32 master+moments"
+        return " + ".join([master, *(name for present, name in optional if present)])
 
 
 def _region_sizes(layout: StateLayout, plan: HostStatePlan) -> list[tuple[str, torch.dtype, int]]:
     n, world = layout.total, layout.world
-    regions = [("master", torch.float32, n), ("exp_avg", torch.float32, n),
+    regions = [("master", torch.bfloat16 if plan.bf16_master else torch.float32, n),
+               ("exp_avg", torch.float32, n),
                ("exp_avg_sq", torch.float32, n)]
     if plan.bf16_shadow:
         regions.append(("shadow", torch.bfloat16, n))
@@ -157,6 +182,31 @@ def total_host_bytes() -> int:
     return _meminfo_bytes("MemTotal")
 
 
+class HostLock:
+    """One lock of the local ranks: an flock on a file that every rank opened (each its own open
+    file description, so the ranks exclude each other), unlinked as soon as all have it."""
+
+    def __init__(self, *, rank: int, share: Callable[[str], str], barrier: Callable[[], None]):
+        path = ""
+        if rank == 0:
+            fd, path = tempfile.mkstemp(prefix="slidedp-grad-lock-")
+            os.close(fd)
+        path = share(path)
+        self._fd = os.open(path, os.O_RDWR)
+        barrier()
+        if rank == 0:
+            os.unlink(path)
+
+    def __enter__(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class SharedHostState:
     """The mapped regions, as flat CPU tensors shared by every local rank."""
 
@@ -190,6 +240,7 @@ class SharedHostState:
         ctrl = self.regions["control"].view(len(_CONTROL_FIELDS), n_units, world)
         self.version, self.ready, self.consumed = ctrl[0], ctrl[1], ctrl[2]
         self.aborted = threading.Event()  # this rank's step failed: runtime threads stop waiting
+        self.grad_lock = HostLock(rank=rank, share=share, barrier=barrier) if plan.grad_lock else None
         self._registered: list[int] = []
         if pin:
             for name in ("shadow", "grad_bf16", "staging", "master"):
@@ -233,6 +284,8 @@ class SharedHostState:
             sleep = min(sleep * 2 + 1e-5, 1e-3)
 
     def close(self) -> None:
+        if self.grad_lock is not None:
+            self.grad_lock.close()
         for ptr in self._registered:
             unregister_host(ptr)
         self._registered.clear()

@@ -3,8 +3,9 @@
 The model is cut into *units*: the embedding, each transformer block, and the head (final norm +
 untied LM head). A unit's parameters are concatenated into one flat range, padded so that it
 splits into `world` equal, aligned shards; rank r owns shard r of every unit (it reduces, returns
-and updates that slice). The layout is independent of the delivery/reduction route, so routes can
-change per run (or per layer) without touching the state.
+and updates that slice), or with `sole_owner` (SlideFormer-style) rank 0 owns every unit. The
+layout is independent of the delivery/reduction route, so routes can change per run (or per
+layer) without touching the state.
 """
 
 from dataclasses import dataclass
@@ -59,9 +60,13 @@ class Unit:
     """Elements including padding; divisible by world * SHARD_ALIGN."""
     host_offset: int
     """Element offset of this unit in the host state's flat arrays."""
+    sole_owner: bool = False
+    """Rank 0 owns the whole unit and the other ranks nothing (slidedp.runtime = "slideformer")."""
 
     def shard(self, rank: int, world: int) -> tuple[int, int]:
         """[start, end) of rank's shard, in elements relative to the unit."""
+        if self.sole_owner:
+            return (0, self.padded) if rank == 0 else (self.padded, self.padded)
         size = self.padded // world
         return rank * size, (rank + 1) * size
 
@@ -69,7 +74,8 @@ class Unit:
 class StateLayout:
     """The flat layout of one model's parameters for `world` owners."""
 
-    def __init__(self, args: QwenArgs, *, world: int):
+    def __init__(self, args: QwenArgs, *, world: int, sole_owner: bool = False):
+        """`sole_owner`: rank 0 owns every unit (the padding stays the same)."""
         self.args, self.world = args, world
         with torch.device("meta"):
             model = QwenModel(args)
@@ -93,7 +99,8 @@ class StateLayout:
                 off += shape.numel()
             padded = -(-off // quantum) * quantum
             self.units.append(Unit(index=index, kind=kind, params=tuple(slots), numel=off,
-                                   padded=padded, host_offset=host_offset))
+                                   padded=padded, host_offset=host_offset,
+                                   sole_owner=sole_owner))
             host_offset += padded
         self.total = host_offset
         """Elements in each flat host array (all units, padded)."""

@@ -1,4 +1,4 @@
-"""One rank's part of the FP32 host state on disk, for exact resume.
+"""One rank's part of the host state on disk (FP32; a BF16 master as BF16), for exact resume.
 
 Rank r of R writes `slidedp-rank{r}-of-{R}.safetensors` with its shard (`Unit.shard(r, R)`,
 padding included) of every unit in each of the regions `master`, `exp_avg`, `exp_avg_sq`, named
@@ -28,6 +28,7 @@ from slidedp.layout import StateLayout, Unit
 
 REGIONS = ("master", "exp_avg", "exp_avg_sq")
 _STEPS_KEY, _ADAM_STEPS_KEY = "steps_done", "adam_steps"
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}  # a BF16 master: runtime "megatrain"
 _FILE = re.compile(r"slidedp-rank\d+-of-(\d+)\.safetensors")
 
 
@@ -43,12 +44,12 @@ def _unit_shards(state: SharedHostState, unit: Unit) -> Iterator[tuple[str, torc
 
 
 def _header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
-    """The safetensors header (JSON, space-padded to 8 bytes) for FP32 tensors laid out in order."""
+    """The safetensors header (JSON, space-padded to 8 bytes) for tensors laid out in order."""
     entries: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
-        entries[name] = {"dtype": "F32", "shape": list(t.shape),
+        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
                          "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(entries, separators=(",", ":")).encode()
@@ -67,7 +68,8 @@ def save_shards(state: SharedHostState, directory: str, *, steps_done: int, adam
         f.write(header)
         for unit in units:
             for _, t in _unit_shards(state, unit):
-                f.write(t.numpy().data)  # host memory, little-endian FP32 as safetensors stores it
+                # Host memory, little-endian as safetensors stores it (numpy has no BF16).
+                f.write(t.view(torch.uint8).numpy().data)
             unit_written(unit)
         f.flush()
         os.fsync(f.fileno())  # on disk before the save is marked complete
@@ -99,8 +101,8 @@ def load_shards(state: SharedHostState, directory: str) -> tuple[int, int]:
 
 
 def read_master(layout: StateLayout, directory: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full FP32 master weights by parameter name, assembled unit by unit from every rank's
-    file in `directory` (written for `layout.world` ranks)."""
+    """Full master weights (FP32, or a BF16 master) by parameter name, assembled unit by unit
+    from every rank's file in `directory` (written for `layout.world` ranks)."""
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(safe_open(state_file(directory, rank=r, world=layout.world),
                                                framework="pt"))

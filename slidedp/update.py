@@ -1,10 +1,13 @@
 """Gradient return (GPU->host, by route) and the layer-wise CPU AdamW update.
 
-Two reduction routes over the same host layout:
-  gpu  reduce-scatter on the GPUs, then each rank copies only its aggregated shard (1/R) home;
-  cpu  every rank copies its full gradient home into its staging region and each owner sums the
-       R copies of its shard on the host.
-Either way rank r ends up holding the summed gradient of its shard of the unit, chunk by chunk,
+Three reduction routes over the same host layout:
+  gpu     reduce-scatter on the GPUs, then each rank copies only its aggregated shard (1/R) home;
+  cpu     every rank copies its full gradient home into its staging region and each owner sums
+          the R copies of its shard on the host;
+  locked  every rank adds its full gradient into one shared FP32 sum, one chunk at a time under
+          one host lock (MegaTrain-style, slidedp/peer_styles.py); the sum is complete only when
+          every rank's backward is, so its updates wait for the step's end.
+Each way rank r ends up holding the summed gradient of its shard of the unit, chunk by chunk,
 and updates that slice of the shared state (its own cores, no global lock). The D2H copies of all
 chunks are issued up front so Adam starts on the first chunk while the rest are still in flight.
 A return is split where the other ranks stop mattering (`GradientReturn.start`), so a rank
@@ -65,27 +68,36 @@ class GradientReturn:
 
     def __init__(self, state: SharedHostState, streams: Streams, *, route: ReductionRoute,
                  rank: int, world: int, group: dist.ProcessGroup | None, chunk_elems: int,
-                 traffic: Traffic, max_unit: int, threads: int):
+                 traffic: Traffic, max_unit: int, threads: int, barrier_per_chunk: bool = False):
+        """`barrier_per_chunk`: on the cpu route every rank waits for every other after each
+        chunk it copied home (SlideFormer-style)."""
         if route not in get_args(ReductionRoute):
             raise ValueError(f"slidedp.reduction must be one of {get_args(ReductionRoute)}, "
                              f"got {route!r}")
         self.state, self.streams, self.route = state, streams, route
         self.rank, self.world, self.group = rank, world, group
         self.chunk, self.traffic, self.threads = chunk_elems, traffic, threads
+        self.barrier_per_chunk = barrier_per_chunk and world > 1
         self.stream = streams.new_stream()
         self._normsq: torch.Tensor | None = None
         self._norm_done: torch.cuda.Event | None = None
         self._host_normsq = 0.0
+        self._summed: dict[int, tuple[Unit, int]] = {}  # locked route: unit -> its last token
         self._max_shard = max_unit // world
         # gpu route: the pinned receive buffer of chunks(), made when first needed (a gradient
         # copied home into a host region needs none); cpu route: the host sum's chunk.
         self._recv: torch.Tensor | None = None
         self.sum_buf = torch.empty(chunk_elems, dtype=torch.float32) if route == "cpu" else None
+        # locked route on a GPU: one chunk of a gradient on its way to the shared sum.
+        self._send_buf = (torch.empty(chunk_elems, dtype=torch.bfloat16, pin_memory=True)
+                          if route == "locked" and streams.is_cuda else None)
 
     def take_normsq(self) -> float:
         """Squared norm of the shards returned with `norm=True` since the last call: summed on
         the GPU by the gpu route, where it costs nothing, and inside the host sum's single pass
-        by the cpu route."""
+        by the cpu route. The locked route's shared sum is complete once every rank has added to
+        it, so it waits for that and takes the norm of this rank's shards then, always."""
+        self._locked_normsq()
         value, self._host_normsq = self._host_normsq, 0.0
         if self._normsq is not None:
             Streams.synchronize(self._norm_done)
@@ -106,6 +118,9 @@ class GradientReturn:
             if self.route == "cpu":
                 self._send(unit, flat_grad, token)
                 return Returned(unit, token, shard=None, norm=norm)
+            if self.route == "locked":
+                self._add_locked(unit, flat_grad, token)
+                return Returned(unit, token, shard=None, norm=False)
             shard = flat_grad  # one rank: its gradient is the sum
             if self.world > 1:
                 shard = torch.empty(hi - lo, dtype=flat_grad.dtype, device=flat_grad.device)
@@ -135,6 +150,8 @@ class GradientReturn:
         with self.streams.use(self.stream):
             if self.route == "gpu":
                 yield from self._copy_chunks(returned, lo, hi)
+            elif self.route == "locked":
+                yield from self._take_locked(returned.unit, lo, hi)
             else:
                 yield from self._sum_chunks(returned, lo, hi)
                 if release:
@@ -172,6 +189,9 @@ class GradientReturn:
             end = min(start + self.chunk, unit.padded)
             mine[start:end].copy_(flat_grad[start:end], non_blocking=True)
             events.append(self.streams.record(self.stream))
+            if self.barrier_per_chunk:  # every rank's chunk is home before any goes on
+                Streams.synchronize(events[-1])
+                dist.barrier(group=self.group)
         for ev in events:
             Streams.synchronize(ev)
         self.traffic.d2h += unit.padded * 2
@@ -192,9 +212,51 @@ class GradientReturn:
             yield start, end, acc
 
 
+    def _add_locked(self, unit: Unit, flat_grad: torch.Tensor, token: int) -> None:
+        """locked route: add the whole gradient into the shared sum, chunk by chunk, each add
+        under the one lock; then announce it (`ready`)."""
+        st = self.state
+        for start in range(0, unit.padded, self.chunk):
+            end = min(start + self.chunk, unit.padded)
+            src = flat_grad[start:end]
+            if self._send_buf is not None:
+                src = self._send_buf[:end - start]
+                src.copy_(flat_grad[start:end], non_blocking=True)
+                Streams.synchronize(self.streams.record(self.stream))
+            with st.grad_lock:
+                cpu_adam.grad_accumulate(st.unit_view("grad_accum", unit.index, start, end), src,
+                                         assign=False, want_sumsq=False, num_threads=self.threads)
+        self.traffic.d2h += unit.padded * 2
+        self.traffic.host_reduce += unit.padded * 2
+        st.ready[unit.index, self.rank] = token
+        self._summed[unit.index] = (unit, token)
+
+    def _locked_normsq(self) -> None:
+        """locked route: wait until every rank has added its gradients of this step into the
+        sum, then add the squared norm of this rank's shards of it."""
+        st = self.state
+        for unit, token in self._summed.values():
+            st.wait_counter(st.ready[unit.index], token, what=f"gradients of unit {unit.index}")
+            lo, hi = unit.shard(self.rank, self.world)
+            shard = st.unit_view("grad_accum", unit.index, lo, hi)
+            self._host_normsq += float(torch.dot(shard, shard))
+        self._summed.clear()
+
+    def _take_locked(self, unit: Unit, lo: int, hi: int):
+        """locked route: this rank's shard of the complete sum, chunk by chunk, each zeroed for
+        the next step once used (no rank adds to the unit again before its next delivery, which
+        waits for this update)."""
+        for start in range(lo, hi, self.chunk):
+            end = min(start + self.chunk, hi)
+            chunk = self.state.unit_view("grad_accum", unit.index, start, end)
+            yield start, end, chunk
+            chunk.zero_()
+
+
 class HostOptimizer:
     """AdamW on slices of the shared FP32 state, writing the BF16 shadow in the same pass (over
-    the gradient, when the shadow held it)."""
+    the gradient, when the shadow held it); a BF16 master is read into FP32 and the result
+    rounded back into it (MegaTrain-style)."""
 
     def __init__(self, state: SharedHostState, hyper: AdamHyper, *, threads: int):
         self.state, self.hyper, self.threads = state, hyper, threads
@@ -203,9 +265,13 @@ class HostOptimizer:
                grad_scale: float = 1.0) -> None:
         """Update global elements [start, end) with `grad` (bf16 or fp32, same length)."""
         st, h = self.state, self.hyper
+        param, bf16_out = st.master[start:end], None
+        if st.plan.bf16_shadow:
+            bf16_out = st.shadow[start:end]
+        elif st.plan.bf16_master:
+            param, bf16_out = param.float(), param
         cpu_adam.adam_update(
-            st.master[start:end], grad, st.exp_avg[start:end], st.exp_avg_sq[start:end],
+            param, grad, st.exp_avg[start:end], st.exp_avg_sq[start:end],
             step=step, lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-            weight_decay=h.weight_decay, grad_scale=grad_scale,
-            bf16_out=st.shadow[start:end] if st.plan.bf16_shadow else None,
+            weight_decay=h.weight_decay, grad_scale=grad_scale, bf16_out=bf16_out,
             num_threads=self.threads)

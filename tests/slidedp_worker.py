@@ -129,12 +129,16 @@ def main() -> None:
             counters.append({k: v for k, v in r.extra.items() if k.startswith(("traffic_", "host_"))})
         weights = {n: t.clone() for n, t in backend.named_master_parameters()}
         backend.close()
+        calls = [len(updates)] * world  # every rank's host update calls (with a delay)
+        if delay:
+            dist.all_gather_object(calls, len(updates))
         if rank == 0:
             torch.save(weights, os.path.join(a.out, f"weights_{i}.pt"))
             results.append({"variant": variant, "losses": losses, "grad_norms": norms,
                             "counters": counters, "predicted_offload_mb": predicted,
                             "host_mapped_bytes": mapped,
-                            "updated_units": [unit for unit, _, _ in updates]})
+                            "updated_units": [unit for unit, _, _ in updates],
+                            "update_calls_per_rank": calls})
     if rank == 0:
         with open(os.path.join(a.out, "results.json"), "w") as f:
             json.dump(results, f)

@@ -20,6 +20,7 @@ import torch
 from models.flavors import get_flavor
 from recipes.baselines.eager import build_single_backend
 from slidedp.layout import SHARD_ALIGN, StateLayout
+from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.schedule import Use, plan_micro_batch
 from tests.conftest import REPO, kill_process_tree, run_torchrun, subprocess_env
 from tests.slidedp_worker import global_batches, make_config
@@ -316,7 +317,10 @@ def host_bytes_per_element(*, shadow: bool, reduction: str, world: int, accum: i
     slidedp/host_state.py: 12 B of FP32 master and moments; +2 for the BF16 shadow, which also
     holds one micro-batch's BF16 gradients while the updates wait for the step's norm (clipping
     or the non-finite guard); without a shadow +2 for those on the gpu route; +4 for
-    accumulation; +2R on the cpu route, whose staging copies then hold them."""
+    accumulation; +2R on the cpu route, whose staging copies then hold them. The locked route
+    (MegaTrain-style, a BF16 master) is 2 + 8 of moments + 4 of the one shared gradient sum."""
+    if reduction == "locked":
+        return 14
     cpu = reduction == "cpu"
     return (12 + 2 * shadow + 4 * (accum > 1) + 2 * world * cpu
             + 2 * (deferred and accum == 1 and not shadow and not cpu))
@@ -332,7 +336,7 @@ def assert_host_bytes(results, *, world: int, flavor: str, accum: int, max_norm:
     total = StateLayout(args, world=world).total
     for r in results:
         cfg = make_config(r["variant"], accum=accum, max_norm=max_norm)
-        s = cfg.slidedp
+        s = RUNTIME_STYLES[cfg.slidedp.runtime].configure(cfg.slidedp)
         per_element = host_bytes_per_element(
             shadow=s.bf16_shadow, reduction=s.reduction, world=world, accum=accum,
             deferred=max_norm > 0 or cfg.training.nonfinite != "off")

@@ -3,6 +3,7 @@ process group and one model build, so peers can be measured side by side on the 
 
     torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode slidedp --flavor qwen3-8B \\
         --seq 4096 --batches 4,8,16 --routes sharded/gpu,replicated/gpu --out runs.jsonl
+    torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode slidedp --runtime slideformer ...
     torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode fsdp2 --ac full ...
     torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode fsdp2 --fsdp-cpu-offload ...
     torchrun --nproc_per_node=2 -m recipes.bench.throughput --mode deepspeed --zero-stage 2 ...
@@ -12,8 +13,9 @@ process group and one model build, so peers can be measured side by side on the 
         --points recompute:1 --max-norm 0 --warmup 0 --steps 1     # long context
     python -m recipes.bench.throughput --report runs.jsonl          # markdown table + ratios
 
-Modes: slidedp, fsdp2 (--ac none/full/selective, --fsdp-cpu-offload) and deepspeed (ZeRO-Offload,
---zero-stage 2/3; needs the deepspeed package) train for real (synthetic tokens, AdamW); `reference` is the
+Modes: slidedp (--runtime slideformer or megatrain: those peers' designs as policies of the
+same runtime, slidedp/peer_styles.py), fsdp2 (--ac none/full/selective, --fsdp-cpu-offload) and
+deepspeed (ZeRO-Offload, --zero-stage 2/3; needs the deepspeed package) train for real (synthetic tokens, AdamW); `reference` is the
 compute-only reference of docs/DESIGN.md §7.1: the BF16 model resident on each GPU,
 forward+backward only, no host traffic and no communication (each rank alone; the global rate is
 the per-GPU rate x ranks).
@@ -26,6 +28,7 @@ import json
 import os
 import statistics
 import time
+from typing import get_args
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,8 @@ from recipes.preflight import check_mode_options, check_seq_len
 from recipes.train import SyntheticBatches, process_group_backend
 from slidedp.activations import format_blocks
 from slidedp.plan.autopolicy import MEASURED_STEPS, select_live
+from slidedp.config import RuntimeName
+from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.update_order import UPDATE_ORDERS
 
 
@@ -98,6 +103,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
                                          else a.batches).split(",")[0])
     if a.mode == "deepspeed":
         cfg.deepspeed.zero_stage, cfg.deepspeed.cpu_threads = a.zero_stage, a.ds_threads
+    cfg.slidedp.runtime = a.runtime
     cfg.slidedp.delivery, cfg.slidedp.reduction = route.split("/")
     cfg.slidedp.activation, cfg.slidedp.keep_blocks = a.activation, a.keep_blocks
     cfg.slidedp.activation_blocks = a.activation_blocks
@@ -126,6 +132,9 @@ def main() -> None:
     p.add_argument("--batches", default="4,8,16", help="local batch sizes (sequences per GPU)")
     p.add_argument("--routes", default="sharded/gpu", help="slidedp: delivery/reduction list; "
                    "the first one's reduction decides whether the host staging region exists")
+    p.add_argument("--runtime", default="slidedp", choices=get_args(RuntimeName),
+                   help="slidedp: slidedp.runtime, SlideDP's own policies or a peer's "
+                        "re-implemented (slideformer, megatrain: their own routes, not --routes)")
     p.add_argument("--ac", default="full", choices=("none", "full", "selective"),
                    help="fsdp2/deepspeed/reference checkpointing (activation_checkpoint.mode)")
     p.add_argument("--fsdp-cpu-offload", action="store_true",
@@ -197,6 +206,8 @@ def main() -> None:
     if world > 1 or a.mode in ("fsdp2", "deepspeed"):  # they need a process group even alone
         dist.init_process_group(process_group_backend(_config(a, "sharded/gpu"), device))
     routes = a.routes.split(",") if a.mode == "slidedp" else ["-"]
+    if a.mode == "slidedp" and RUNTIME_STYLES[a.runtime].routes:  # a peer style's own routes
+        routes = ["/".join(RUNTIME_STYLES[a.runtime].routes)]
     kernels = build_kernels(_config(a, "sharded/gpu"), device=device)
     attention_op = sdpa_backend_used(kernels, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                                      head_dim=args.head_dim, seq_len=a.seq, device=device)
@@ -296,7 +307,8 @@ def _measure(a: argparse.Namespace, step, *, args: QwenArgs, batch: int, name: s
 
 
 def _host_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
-    return {"bf16_shadow": not a.no_shadow,
+    # The shadow as the host state has it: a peer runtime style sets its own.
+    return {"runtime": a.runtime, "bf16_shadow": backend.state.plan.bf16_shadow,
             "host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
 
 
@@ -306,7 +318,7 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
     """One measured point as a JSONL row (its configuration, then what was measured)."""
     step_time = measured["step_time_s"]
     none = dict.fromkeys(("activation_blocks", "keep_blocks", "slots", "chunk_mib",
-                          "update_order", "bf16_shadow"))
+                          "update_order", "runtime", "bf16_shadow"))
     return {"mode": a.mode, "label": a.label if label is None else label, "flavor": a.flavor,
             "route": route, "kernels": kernels, "attention_op": attention_op, "ac": ac,
             **{**none, **slidedp},
@@ -358,6 +370,8 @@ def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args:
 def system_name(row: dict) -> str:
     """The system a row measured, as tables name it: the mode with its variant and label."""
     name = row["mode"]
+    if row.get("runtime") not in (None, "slidedp"):  # a peer re-implemented on SlideDP
+        name = f"{row['runtime']}-style"
     if row.get("fsdp_cpu_offload"):
         name += " cpu-offload"
     if row.get("zero_stage"):

@@ -52,11 +52,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
                                                   "--ac", "none")),
     System("zero3-offload", "zero3-offload", ("--mode", "deepspeed", "--zero-stage", "3",
                                               "--ac", "full")),
+    # The paper's peers SlideFormer and MegaTrain, re-implemented as policies of the SlideDP
+    # runtime (slidedp/peer_styles.py), with the same activation policies.
+    *(System(f"{runtime}-{policy}", runtime, ("--mode", "slidedp", "--runtime", runtime,
+                                              "--activation", policy))
+      for runtime in ("slideformer", "megatrain") for policy in ("recompute", "keep")),
     System("reference-none", "reference", ("--mode", "reference", "--ac", "none")),
     System("reference-full", "reference", ("--mode", "reference", "--ac", "full")),
 ]}
-"""The systems an experiment can name (--systems). SlideFormer- and MegaTrain-style runs are
-policies of the SlideDP runtime still to come; DeepSpeed needs the deepspeed package."""
+"""The systems an experiment can name (--systems); DeepSpeed needs the deepspeed package."""
 
 
 def parser(doc: str, *, systems: str = "", batches: bool = False) -> argparse.ArgumentParser:

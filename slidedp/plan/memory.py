@@ -67,6 +67,7 @@ from models.args import QwenArgs
 from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policies
 from slidedp.host_state import HostStatePlan, updates_deferred
 from slidedp.layout import StateLayout, chunk_elems
+from slidedp.peer_styles import RUNTIME_STYLES
 
 Kernel = Literal["liger", "torch"]
 """What models/kernels.py resolves [model] kernels to."""
@@ -231,12 +232,16 @@ def _resident_and_gradients(config, args: QwenArgs, *, world: int,
     grads = SLIDEDP_GRAD_COPIES * (SLIDEDP_GRAD_BLOCKS * layout.block_padded
                                    + layout.head.padded) * 2
     receive = max(u.padded for u in layout.units) // world * 2
-    cast = 0 if config.slidedp.bf16_shadow else chunk_elems(config.slidedp.chunk_mib) * 4
     training = config.training
-    deferred = updates_deferred(max_norm=training.max_norm, nonfinite=training.nonfinite)
-    plan = HostStatePlan.for_run(config.slidedp, grad_accum_steps=training.grad_accum_steps,
+    # The runtime style's routes and host layout (slidedp/peer_styles.py).
+    style = RUNTIME_STYLES[config.slidedp.runtime]
+    cfg = style.configure(config.slidedp)
+    cast = 0 if cfg.bf16_shadow or style.bf16_master else chunk_elems(cfg.chunk_mib) * 4
+    deferred = updates_deferred(max_norm=training.max_norm, nonfinite=training.nonfinite,
+                                reduction=cfg.reduction)
+    plan = HostStatePlan.for_run(cfg, grad_accum_steps=training.grad_accum_steps,
                                  max_norm=training.max_norm, nonfinite=training.nonfinite)
-    hold = plan.hold(n_micro=training.grad_accum_steps, reduction=config.slidedp.reduction,
+    hold = plan.hold(n_micro=training.grad_accum_steps, reduction=cfg.reduction,
                      deferred=deferred)
     # Held on the device, the reduced shards of a step wait there for their updates: at most
     # all of them (a unit's next gradient comes after its update), while activations are freed.
