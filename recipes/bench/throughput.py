@@ -99,8 +99,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.training.grad_accum_steps = max(int(n) for n in a.accum.split(","))
     # The first point's batch: SlideDP's start-up report (activation bytes per block, the offload
     # pool) is for it, and DeepSpeed's engine is configured for that one micro-batch shape.
-    cfg.training.local_batch_size = int((a.points[0].split(":")[1] if a.points
-                                         else a.batches).split(",")[0])
+    cfg.training.local_batch_size = _specs(a)[0][1][0]
     if a.mode == "deepspeed":
         cfg.deepspeed.zero_stage, cfg.deepspeed.cpu_threads = a.zero_stage, a.ds_threads
     cfg.slidedp.runtime = a.runtime
@@ -220,10 +219,8 @@ def main() -> None:
     if rank == 0:
         print(f"[bench] {a.mode} {a.flavor} built in {time.perf_counter() - t0:.1f}s; "
               f"{kernels.describe()} -> {attention_op}", flush=True)
-    specs = a.points or [f"{a.activation}:{a.batches}"]
     orders = a.update_order.split(",") if a.mode == "slidedp" else [None]
-    points = [(policy, int(b), int(n), order) for spec in specs
-              for policy, batches in [spec.split(":")] for b in batches.split(",")
+    points = [(policy, b, int(n), order) for policy, batches in _specs(a) for b in batches
               for n in a.accum.split(",") for order in orders]
     context = dict(args=args, rank=rank, world=world, device=device)
     keys = dict(kernels=kernels.name, attention_op=attention_op, world=world, device=device)
@@ -241,7 +238,7 @@ def main() -> None:
                                 name=f"{a.mode}_{route.replace('/', '-')}_b{batch}x{accum}", **context)
             slidedp = dict(activation_blocks=a.activation_blocks, keep_blocks=a.keep_blocks,
                            slots=a.slots, chunk_mib=a.chunk_mib, update_order=order,
-                           **_host_state(a, backend, args)) if a.mode == "slidedp" else {}
+                           **_runtime_state(a, backend, args)) if a.mode == "slidedp" else {}
             row = _row(a, args=args, route=route, ac=a.ac if a.mode != "slidedp" else policy,
                        batch=batch, accum=accum, slidedp=slidedp, measured=measured, **keys)
             if rank == 0:
@@ -252,6 +249,14 @@ def main() -> None:
         backend.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _specs(a: argparse.Namespace) -> list[tuple[str, list[int]]]:
+    """The points as (policy, batches): `--points POLICY:B1,B2 ...`, else `--activation` over
+    `--batches`."""
+    return [(policy, [int(b) for b in batches.split(",")])
+            for policy, batches in (spec.split(":") for spec in
+                                    a.points or [f"{a.activation}:{a.batches}"])]
 
 
 def _train_step(backend, *, accum: int, tokens: int):
@@ -306,8 +311,9 @@ def _measure(a: argparse.Namespace, step, *, args: QwenArgs, batch: int, name: s
             **traced}
 
 
-def _host_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
-    # The shadow as the host state has it: a peer runtime style sets its own.
+def _runtime_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
+    """The runtime style and the host state the build runs with (the shadow as the host state
+    has it: a peer runtime style sets its own)."""
     return {"runtime": a.runtime, "bf16_shadow": backend.state.plan.bf16_shadow,
             "host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
 
@@ -356,7 +362,7 @@ def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args:
                         world=world, device=device)
     slidedp = dict(activation_blocks=format_blocks(policies, policies[0]), keep_blocks=0,
                    slots=s.window_slots, chunk_mib=s.chunk_mib, update_order=a.update_order.split(",")[0],
-                   **_host_state(a, backend, args))
+                   **_runtime_state(a, backend, args))
     row = _row(a, args=args, route=f"{s.delivery}/{s.reduction}", ac=policies[0].name,
                batch=a.autopolicy, accum=1, slidedp=slidedp, label="autopolicy",
                measured={**measured, "selection_s": chosen["selection_s"],
