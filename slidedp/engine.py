@@ -148,9 +148,7 @@ class SlideDPBackend:
         self.chunk = chunk_elems(cfg.chunk_mib)
         self.streams = Streams(device)
         self.traffic = Traffic()
-        # A sole owner (rank 0) runs every update: the host's cores are its alone.
-        threads = cfg.cpu_threads or cpu_adam.default_num_threads(
-            local_world=1 if self.style.sole_owner else self.local_world)
+        threads = cfg.cpu_threads or self._default_threads()
         self.optimizer = HostOptimizer(self.state, AdamHyper(beta1=opt.beta1, beta2=opt.beta2,
                                                              eps=opt.eps,
                                                              weight_decay=opt.weight_decay),
@@ -227,6 +225,20 @@ class SlideDPBackend:
         """Switch slidedp.update_order between steps (the bench compares the orders in one
         build); the order changes timing only, so the updates still queued simply follow it."""
         self._queue.order = UPDATE_ORDERS[name]
+
+    def set_cpu_threads(self, threads: int) -> None:
+        """Switch slidedp.cpu_threads between steps (0: this rank's share of the cores). The
+        updates and host sums still running finish with the old count; the count changes timing
+        only (the CPU Adam's result does not depend on it)."""
+        if threads < 0:
+            raise ValueError(f"slidedp.cpu_threads must be >= 0, got {threads}")
+        self._drain()
+        self.optimizer.threads = self.grad_return.threads = threads or self._default_threads()
+
+    def _default_threads(self) -> int:
+        # A sole owner (rank 0) runs every update: the host's cores are its alone.
+        return cpu_adam.default_num_threads(
+            local_world=1 if self.style.sole_owner else self.local_world)
 
     def set_window_slots(self, slots: int) -> None:
         """Change the number of GPU block slots between steps (slidedp.window_slots): the slots

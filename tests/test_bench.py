@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from recipes.bench.throughput import report
+from recipes.bench.throughput import point_specs, report
 from recipes.bench.timeline import breakdown
 
 
@@ -61,3 +61,11 @@ def test_report_ratios_per_model(tmp_path):
     assert "| 16 (2x8) | 900 |" in next(line for line in lines if "clip" in line)
     fused = next(line for line in lines if "slidedp fused" in line)
     assert "| liger |" in fused and "95.0%" in fused and fused.endswith("| – |")
+
+
+def test_point_specs_take_per_point_block_policies():
+    specs = point_specs(["recompute:16,32", "selective|0-3:keep, 30-35:recompute@offload=0.5:24",
+                         "segments(qkv+mlp_up):8"], blocks="0:keep")
+    assert specs == [("recompute", "0:keep", [16, 32]),
+                     ("selective", "0-3:keep, 30-35:recompute@offload=0.5", [24]),
+                     ("segments(qkv+mlp_up)", "0:keep", [8])]

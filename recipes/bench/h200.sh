@@ -9,7 +9,7 @@
 #         policies4b policies4bmore policies4bslidedp (Qwen3-4B: both references and FSDP2 over its checkpointing;
 #         SlideDP's policies)
 #         long context: long4b long8b (one 262,144-token sequence, YaRN x8 over 32,768)
-#         host memory and the update order (one H200): clip8b tail4b
+#         host memory, the update order and the CPU Adam threads (one H200): clip8b tail4b threads8b
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
@@ -37,7 +37,7 @@ largest() {
 # recompute (the block-boundary states alone are 2 x dim bytes/token/block: 45 GiB for 4B, 72 GiB
 # for 8B), no clipping, one timed step without warm-up: a step takes minutes.
 long_context() {
-  timeout 590 "${bench[@]}" --mode slidedp --kernels liger --flavor "$1" --seq 262144 \
+  timeout "${LONG_SECONDS:-590}" "${bench[@]}" --mode slidedp --kernels liger --flavor "$1" --seq 262144 \
     --rope-scaling-type yarn --rope-scaling-factor 8 --original-max-position-embeddings 32768 \
     --points recompute:1 --max-norm 0 --no-memory-check --warmup 0 --steps 1 --label yarn8-262k
 }
@@ -207,6 +207,12 @@ for stage in "$@"; do
     # peak_rss_gib. 16 sequences, the first 9 blocks keep (8.4 GiB each on the fused kernels),
     # the others recompute, then selective (about 108 and 121 GiB allocated, by the measured
     # bytes per token).
+    # Qwen3-8B with clipping: the best hand-picked mix of call 6 and an MLP-input mask over most
+    # blocks (the step-time model's pick), each with the CPU Adam on every core and on 12 of the
+    # 16 (the compute and delivery threads then keep cores of their own while updates run).
+    threads8b) timeout "${THREADS_SECONDS:-240}" "${bench[@]}" --mode slidedp --kernels liger \
+                 --flavor qwen3-8B --max-norm 1.0 --points "selective|0-8:keep:16" \
+                 "segments(mlp_up)|28-35:selective:16" --cpu-threads 0,12 --label clip1 ;;
     clip8b) timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 \
               --activation-blocks "0-8:keep" --points recompute:16 selective:16 \
               "segments(qkv+attention_core+o_proj+mlp_up+down_proj):5,6" --label clip1-keep0-8 ;;

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from recipes.bench.rows import emit
-from recipes.bench.throughput import system_name
+from recipes.bench.throughput import point_specs, system_name
 from recipes.config import JobConfig, resolve_model
 from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.plan.predict import plan_run
@@ -172,14 +172,14 @@ def summary(errors: list[float]) -> str:
 def prediction_rows(rates_path: str, *, flavor: str, seq: int, points: list[str], world: int,
                     route: str, kernels: str, slots: int, chunk_mib: float, max_norm: float,
                     nonfinite: str) -> list[dict]:
-    """One row per point of the bench's syntax (POLICY:B1,B2), keyed as the bench keys its."""
+    """One row per point of the bench's syntax (POLICY[|BLOCKS]:B1,B2), keyed as the bench keys
+    its."""
     rates = load_rates(rates_path)
     rows = []
-    for spec in points:
-        policy, batches = spec.rsplit(":", 1)
-        for batch in batches.split(","):
+    for policy, blocks, batches in point_specs(points):
+        for batch in batches:
             row = {"mode": "slidedp", "label": "", "flavor": flavor, "kernels": kernels,
-                   "route": route, "ac": policy, "activation_blocks": "", "keep_blocks": 0,
+                   "route": route, "ac": policy, "activation_blocks": blocks, "keep_blocks": 0,
                    "slots": slots, "chunk_mib": chunk_mib, "world": world, "seq": seq,
                    "local_batch": int(batch), "accum": 1, "max_norm": max_norm,
                    "nonfinite": nonfinite, "rates": rates_path}
@@ -244,7 +244,7 @@ def main() -> int:
     w.add_argument("--rates", required=True, help="a rates file or the name of a shipped one")
     w.add_argument("--flavor", required=True)
     w.add_argument("--seq", type=int, default=4096)
-    w.add_argument("--points", nargs="+", required=True, help="POLICY:B1,B2 as the bench takes them")
+    w.add_argument("--points", nargs="+", required=True, help="POLICY[|BLOCKS]:B1,B2 as the bench takes them")
     w.add_argument("--world", type=int, default=1)
     w.add_argument("--route", default="sharded/gpu")
     w.add_argument("--kernels", default="auto", help="as the bench's --kernels")

@@ -99,7 +99,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.training.grad_accum_steps = max(int(n) for n in a.accum.split(","))
     # The first point's batch: SlideDP's start-up report (activation bytes per block, the offload
     # pool) is for it, and DeepSpeed's engine is configured for that one micro-batch shape.
-    cfg.training.local_batch_size = _specs(a)[0][1][0]
+    cfg.training.local_batch_size = _specs(a)[0][2][0]
     if a.mode == "deepspeed":
         cfg.deepspeed.zero_stage, cfg.deepspeed.cpu_threads = a.zero_stage, a.ds_threads
     cfg.slidedp.runtime = a.runtime
@@ -143,8 +143,9 @@ def main() -> None:
                    help="deepspeed: DeepSpeedCPUAdam threads per rank (0: the rank's share)")
     p.add_argument("--activation", default="recompute", help="slidedp default block policy")
     p.add_argument("--points", nargs="*", default=[],
-                   help="slidedp: POLICY:B1,B2,... entries run in one build, in order (e.g. "
-                        "recompute:16,32 keep:1,2,4); replaces --activation and --batches")
+                   help="slidedp: POLICY[|BLOCKS]:B1,B2,... entries run in one build, in order "
+                        "(e.g. recompute:16,32 keep:1,2,4 'selective|0-3:keep:24'); replaces "
+                        "--activation and --batches (BLOCKS: --activation-blocks for the entry)")
     p.add_argument("--keep-blocks", type=int, default=0, help="slidedp: first N blocks keep activations")
     p.add_argument("--activation-blocks", default="",
                    help='slidedp: per-block policies over each point\'s, e.g. "0-3:keep, 30-35:'
@@ -164,6 +165,10 @@ def main() -> None:
     p.add_argument("--update-order", default="arrival",
                    help="slidedp: list of slidedp.update_order values (next_use, arrival), each "
                         "point run in each, one after the other, in the same build")
+    p.add_argument("--cpu-threads", default="0",
+                   help="slidedp: list of slidedp.cpu_threads values (0: the rank's share of the "
+                        "cores), each point run with each in the same build; a count other than "
+                        "0 is appended to the row's label as -tN")
     p.add_argument("--no-memory-check", action="store_true",
                    help="slidedp: skip the MemAvailable check (VMs whose memory grows on demand)")
     p.add_argument("--warmup", type=int, default=1)
@@ -195,6 +200,8 @@ def main() -> None:
             raise ConfigError("--accum: deepspeed takes one micro-batch count per build")
         if set(a.update_order.split(",")) - set(UPDATE_ORDERS):
             raise ConfigError(f"--update-order: each one of {', '.join(UPDATE_ORDERS)}")
+        if not all(t.isdigit() for t in a.cpu_threads.split(",")):
+            raise ConfigError("--cpu-threads: a list of counts >= 0")
     except ConfigError as e:
         p.error(str(e))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -220,27 +227,31 @@ def main() -> None:
         print(f"[bench] {a.mode} {a.flavor} built in {time.perf_counter() - t0:.1f}s; "
               f"{kernels.describe()} -> {attention_op}", flush=True)
     orders = a.update_order.split(",") if a.mode == "slidedp" else [None]
-    points = [(policy, b, int(n), order) for policy, batches in _specs(a) for b in batches
-              for n in a.accum.split(",") for order in orders]
+    thread_counts = [int(t) for t in a.cpu_threads.split(",")] if a.mode == "slidedp" else [0]
+    points = [(policy, blocks, b, int(n), order, threads) for policy, blocks, batches in _specs(a)
+              for b in batches for n in a.accum.split(",") for order in orders
+              for threads in thread_counts]
     context = dict(args=args, rank=rank, world=world, device=device)
     keys = dict(kernels=kernels.name, attention_op=attention_op, world=world, device=device)
     for route in routes:
         if a.mode == "slidedp":
             backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
-        for policy, batch, accum, order in points:
+        for policy, blocks, batch, accum, order, threads in points:
             if a.mode == "slidedp":
-                backend.set_activation(default=policy, blocks=a.activation_blocks,
+                backend.set_activation(default=policy, blocks=blocks,
                                        keep_blocks=a.keep_blocks)
                 backend.set_update_order(order)
+                backend.set_cpu_threads(threads)
             step = (runner.step if a.mode == "reference" else
                     _train_step(backend, accum=accum, tokens=batch * a.seq * world))
             measured = _measure(a, step, batch=batch,
                                 name=f"{a.mode}_{route.replace('/', '-')}_b{batch}x{accum}", **context)
-            slidedp = dict(activation_blocks=a.activation_blocks, keep_blocks=a.keep_blocks,
+            slidedp = dict(activation_blocks=blocks, keep_blocks=a.keep_blocks,
                            slots=a.slots, chunk_mib=a.chunk_mib, update_order=order,
                            **_runtime_state(a, backend, args)) if a.mode == "slidedp" else {}
             row = _row(a, args=args, route=route, ac=a.ac if a.mode != "slidedp" else policy,
-                       batch=batch, accum=accum, slidedp=slidedp, measured=measured, **keys)
+                       batch=batch, accum=accum, slidedp=slidedp, measured=measured,
+                       label=f"{a.label}-t{threads}" if threads else None, **keys)
             if rank == 0:
                 emit("bench", row, a.out)
     if a.autopolicy and a.mode == "slidedp":
@@ -251,12 +262,20 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def _specs(a: argparse.Namespace) -> list[tuple[str, list[int]]]:
-    """The points as (policy, batches): `--points POLICY:B1,B2 ...`, else `--activation` over
-    `--batches`."""
-    return [(policy, [int(b) for b in batches.split(",")])
-            for policy, batches in (spec.split(":") for spec in
-                                    a.points or [f"{a.activation}:{a.batches}"])]
+def point_specs(points: list[str], *, blocks: str = "") -> list[tuple[str, str, list[int]]]:
+    """`POLICY[|BLOCKS]:B1,B2` entries as (policy, per-block policies, batches): BLOCKS (the
+    slidedp.activation_blocks syntax, colons and all) overrides `blocks` for that entry."""
+    specs = []
+    for spec in points:
+        policy, batches = spec.rsplit(":", 1)
+        policy, _, own = policy.partition("|")
+        specs.append((policy, own or blocks, [int(b) for b in batches.split(",")]))
+    return specs
+
+
+def _specs(a: argparse.Namespace) -> list[tuple[str, str, list[int]]]:
+    """The points: `--points ...` (point_specs), else `--activation` over `--batches`."""
+    return point_specs(a.points or [f"{a.activation}:{a.batches}"], blocks=a.activation_blocks)
 
 
 def _train_step(backend, *, accum: int, tokens: int):
@@ -315,6 +334,7 @@ def _runtime_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
     """The runtime style and the host state the build runs with (the shadow as the host state
     has it: a peer runtime style sets its own)."""
     return {"runtime": a.runtime, "bf16_shadow": backend.state.plan.bf16_shadow,
+            "cpu_threads": backend.optimizer.threads,
             "host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
 
 
