@@ -41,44 +41,35 @@ long_context() {
     --rope-scaling-type yarn --rope-scaling-factor 8 --original-max-position-embeddings 32768 \
     --points recompute:1 --max-norm 0 --no-memory-check --warmup 0 --steps 1 --label yarn8-262k
 }
-# plan: the step-time model against measurement (issue 11) on one H200, in about 6 minutes. The
-# probe's rates first (Qwen3-4B at 4096 and 32,768 tokens, Qwen3-8B), then the model's predictions
-# of 9 points written to OUT_DIR/predicted.jsonl before any is measured, then the same points
-# measured (OUT_DIR/runs.jsonl) with AutoPolicy at 16 sequences after each model's points, in the
-# same build, and its choice measured; last the table (recipes/bench/model_check.py compare). Every
-# sub-run has its own time limit, cut to what is left of the stage's PLAN_SECONDS, most important
-# first; a run cut short keeps the rows it emitted.
-PLAN_SECONDS=${PLAN_SECONDS:-380}
-PLAN_POLICIES="keep, selective, segments(attention_core)"
+# plan: the step-time model and AutoPolicy against measurement (issues 10 and 11) on one H200, in
+# about 9 minutes, most important first. Qwen3-8B with clipping: the hand-picked mixes at 16 and
+# 24 sequences, keep at 2 (host-bound), AutoPolicy at 24; Qwen3-4B: keep at 1 (host-bound), the
+# best hand-picked segment mask of calls 4-6 at 8, AutoPolicy at 8; then FSDP2's and the
+# no-recompute reference's best 4B points of calls 4-6, in the same lease. The predictions come
+# from the shipped rates file (slidedp/plan/rates/h200.json) and are written before the call
+# (PLAN_PREDICTED, made by `model_check predict`); AutoPolicy probes this machine itself. Every
+# sub-run has its own time limit, cut to what is left of the stage's PLAN_SECONDS; a run cut
+# short keeps the rows it emitted.
+PLAN_SECONDS=${PLAN_SECONDS:-560}
+SEG5="segments(qkv+attention_core+o_proj+mlp_up+down_proj)"
 within() {  # within SECONDS CMD...: CMD under min(SECONDS, what is left of the stage)
   local limit=$1 left=$(( plan_end - SECONDS )); shift
   if (( left < 10 )); then echo "plan: out of time, skipped: $*"; return 1; fi
   timeout $(( limit < left ? limit : left )) "$@"
 }
-plan_probe() {  # plan_probe SECONDS FLAVOR SEQ BATCH NAME
-  within "$1" python3 -m recipes.probe --model.flavor="$2" --training.seq_len="$3" \
-    --training.local_batch_size="$4" --slidedp.autopolicy_candidates="$PLAN_POLICIES" --out "$out/rates_$5.json"
-}
-plan_predict() {  # plan_predict NAME FLAVOR SEQ POINT...
-  python3 -m recipes.bench.model_check predict --rates "$out/rates_$1.json" --flavor "$2" --seq "$3" \
-    --points "${@:4}" --out "$out/predicted.jsonl"
-}
 plan_measure() {  # plan_measure SECONDS BENCH-ARGS...
-  within "$1" "${bench[@]}" --mode slidedp --kernels liger --max-norm 0 --no-memory-check --warmup 1 \
-    --steps 1 "${@:2}"
+  within "$1" "${bench[@]}" --kernels liger --no-memory-check --warmup 1 --steps 2 "${@:2}"
 }
 plan_stage() {
   plan_end=$(( SECONDS + PLAN_SECONDS ))
-  local seg="segments(attention_core)" auto=(--autopolicy 16 --autopolicy-steps 2
-                                             --autopolicy-candidates "keep, selective")
-  plan_probe 60 qwen3-4B 4096 4 4b; plan_probe 40 qwen3-4B 32768 1 4b32k; plan_probe 50 qwen3-8B 4096 2 8b
-  plan_predict 4b qwen3-4B 4096 keep:1,4 recompute:16 selective:16 "$seg:16"
-  plan_predict 4b32k qwen3-4B 32768 recompute:1
-  plan_predict 8b qwen3-8B 4096 recompute:16 keep:2
-  plan_measure 150 --flavor qwen3-4B --points keep:1,4 recompute:16 selective:16 "$seg:16" "${auto[@]}"
-  plan_measure 60 --flavor qwen3-4B --seq 32768 --points recompute:1
-  plan_measure 190 --flavor qwen3-8B --points recompute:16 keep:2 "${auto[@]}"
-  python3 -m recipes.bench.model_check compare "$out/predicted.jsonl" "$out/runs.jsonl"
+  local auto=(--autopolicy-steps 2)
+  plan_measure 300 --mode slidedp --flavor qwen3-8B --max-norm 1.0 --points "selective|0-8:keep:16" \
+    "selective|0-3:keep:24" keep:2 "${auto[@]}" --autopolicy 24 --autopolicy-candidates "keep, selective"
+  plan_measure 130 --mode slidedp --flavor qwen3-4B --max-norm 0 --points keep:1 "$SEG5:8" \
+    "${auto[@]}" --autopolicy 8 --autopolicy-candidates "keep, selective, $SEG5"
+  plan_measure 60 --mode fsdp2 --flavor qwen3-4B --max-norm 0 --ac selective --batches 8
+  plan_measure 50 --mode reference --flavor qwen3-4B --max-norm 0 --ac none --batches 8
+  python3 -m recipes.bench.model_check compare "${PLAN_PREDICTED:?the predictions file}" "$out/runs.jsonl"
 }
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
