@@ -260,6 +260,9 @@ class HostOptimizer:
 
     def __init__(self, state: SharedHostState, hyper: AdamHyper, *, threads: int):
         self.state, self.hyper, self.threads = state, hyper, threads
+        # Build (or load) the kernel now: a first build takes seconds, which would otherwise
+        # land inside the first step's updates and stall its deliveries.
+        cpu_adam.active_isa()
 
     def update(self, start: int, end: int, grad: torch.Tensor, *, step: int, lr: float,
                grad_scale: float = 1.0) -> None:
