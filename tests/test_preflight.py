@@ -12,8 +12,7 @@ from models.args import RopeScaling
 from models.flavors import FLAVORS, get_flavor
 from models.hf_checkpoint import save_hf_checkpoint
 from recipes.config import ConfigError, JobConfig, parse_config
-from slidedp.plan.memory import (activation_bytes_per_token, estimate_device_memory,
-                                     largest_fitting_batch)
+from slidedp.plan.memory import activation_bytes, estimate_device_memory, largest_fitting_batch
 from recipes.parallelize import build_model
 from recipes.preflight import (check_device_memory, check_host_memory, check_run, check_seq_len,
                                launch_flags, slidedp_host_bytes)
@@ -201,7 +200,7 @@ def test_estimate_is_near_the_measured_peak_on_both_kernel_paths(mode, kernels, 
     config.activation_checkpoint.mode = "full" if activations == "full" else "none"
     config.training.dtype = "bf16"
     est = estimate_device_memory(config, FLAVORS["qwen3-4B"], world=1, kernels=kernels)
-    # Full recompute counts a whole rebuilt block beside the inputs: up to 22% over.
+    # Full recompute counts a whole rebuilt block beside the inputs: up to 23% over.
     assert 0.95 < est.total / GiB / measured < 1.25
     check_device_memory(config, FLAVORS["qwen3-4B"], world=1, capacity=H200, kernels=kernels)
 
@@ -209,13 +208,15 @@ def test_estimate_is_near_the_measured_peak_on_both_kernel_paths(mode, kernels, 
 def test_estimate_follows_the_shapes():
     args = FLAVORS["qwen3-8B"]
     keep, selective, recompute, offloaded = (
-        activation_bytes_per_token(args, parse_policy(p), compute_bytes=2)
+        activation_bytes(args, parse_policy(p), compute_bytes=2)[0].per_token
         for p in ("keep", "selective", "recompute", "selective@offload=1"))
     assert keep > selective > recompute == 2 * args.dim  # recompute keeps the BF16 block input
     assert offloaded == selective - recompute  # its input on the host, SDPA's outputs stay
-    one, two = (estimate_device_memory(gpu_config("slidedp", batch=b), args, world=2)
-                for b in (1, 2))
-    assert two.activations == 2 * one.activations and two.resident == one.resident
+    one, two, three = (estimate_device_memory(gpu_config("slidedp", batch=b), args, world=2)
+                       for b in (1, 2, 3))
+    # Affine in the batch: the RoPE tables a rebuilt block casts grow with the positions only.
+    assert abs((three.activations - two.activations) - (two.activations - one.activations)) <= 1
+    assert two.activations < 2 * one.activations and two.resident == one.resident
     fsdp2 = [estimate_device_memory(gpu_config("fsdp2", batch=1), args, world=w).resident
              for w in (2, 4)]
     assert fsdp2[1] < fsdp2[0]  # sharded over more ranks

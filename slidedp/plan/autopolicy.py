@@ -60,10 +60,8 @@ CANDIDATES: tuple[ActivationPolicy, ...] = tuple(
 every matmul kept, and segment masks (the attention core; the attention half up to it; the MLP's
 up projection; the attention half; the MLP half), each with 0, half or all of what it saves
 offloaded to host memory."""
-SHAPE_BASES = ("keep", "recompute", "selective")
-"""Policies whose bytes the shapes give (slidedp/plan/memory.py); others need the probe's."""
 GPU_BUDGET_FRACTION = 0.9
-"""Of the device's memory, what the program may fill (the estimate is within -3%..+22%)."""
+"""Of the device's memory, what the program may fill (the estimate is within -2%..+23%)."""
 HOST_BUDGET_FRACTION = 0.9
 """Of the host's memory (MemAvailable when live), what the program may fill."""
 CALIBRATION_BLOCKS = 4
@@ -126,17 +124,13 @@ class Model:
     def step_s(self, setting: Setting, policies: list[ActivationPolicy]) -> float:
         return simulate_step(self.spec(setting, policies), self.rates).step_s
 
-    def usable(self, policy: ActivationPolicy) -> bool:
-        """Its bytes are known: measured by the probe, or given by the shapes."""
-        return self.work.has_measured_bytes(policy) or policy.base in SHAPE_BASES
-
 
 def screen(model: Model, candidates: list[ActivationPolicy]) -> list[ActivationPolicy]:
     """The candidates no other candidate beats on every count: device bytes, host bytes, GPU
     seconds of a block (forward + backward) and offloaded bytes."""
     work, batch = model.work, model.config.training.local_batch_size
     score = {}
-    for p in dict.fromkeys(c for c in candidates if model.usable(c)):
+    for p in dict.fromkeys(candidates):
         gpu, host = work.activation_bytes(p, batch)
         score[p] = (gpu, host, sum(work.block(p, batch)))
     return [p for p, s in score.items()
@@ -160,7 +154,7 @@ def build_program(model: Model, settings: list[Setting], candidates: list[Activa
         step = simulate_step(spec, rates)
         config = setting.apply(model.config)
         fixed = estimate_device_memory(config, model.args, world=model.world, kernels=model.kernels,
-                                       block_bytes=lambda p: 0.0)
+                                       block_bytes=lambda p: 0.0, rebuild_bytes=lambda p: 0.0)
         host = host_state_bytes(StateLayout(model.args, world=model.world), state_plan(config))
         residual = step.step_s - step.bound_s + correction
         options.append(Option(name=setting.describe(), settings=setting.__dict__,
@@ -175,7 +169,10 @@ def build_program(model: Model, settings: list[Setting], candidates: list[Activa
         gpu, host = work.activation_bytes(p, batch)
         choices.append(Choice(name=p.name, demand=demand, gpu_bytes=gpu, host_bytes=host,
                               rebuilds=p != KEEP))
-    return options, choices, work.activation_bytes(KEEP, batch)[0]
+    # z * rebuild in the program: the most any candidate's block holds in backward (z = 1 as
+    # soon as one rebuilds), so the program is never short of what the estimate counts.
+    rebuild = max((work.rebuilt_bytes(p, batch) for p in candidates if p != KEEP), default=0)
+    return options, choices, rebuild
 
 
 def assign(assignment: Assignment, n_blocks: int) -> list[ActivationPolicy]:

@@ -35,36 +35,65 @@ for BF16, 4 for FP32):
              B/param
 
 activations: tokens per micro-batch (local_batch_size x seq_len) x (the sum over blocks of the
-bytes per token of each block's policy + the one block a recompute policy rebuilds in backward +
-STREAM_TERMS for the embedding output, the final norm and the gradient flowing back). Bytes per
-token of one block = sum over the model's widths of width x (FP32 copies x 4 + compute-dtype
-copies x b), with the copies per policy in ACTIVATION_TERMS (derived below from what autograd
-saves in models/qwen.py) for keep, recompute and selective; a policy's offload fraction leaves
-that part of what the hooks save on the host (all of keep and recompute, selective's block
-input). Other segment masks and op sets count as recompute, a lower bound: SlideDP measures
-every policy on the device at start (slidedp/activations/cost.py) and prints it. Widths: dim; q = n_heads x head_dim; kv = n_kv_heads x head_dim;
-qk_norm = q + kv when the model norms queries and keys (else 0); hidden = the MLP's width;
-heads = n_heads.
+bytes per token each block's policy keeps + what backward holds beyond that of the one block it
+is at, the largest over the blocks' policies + STREAM_TERMS for the embedding output, the final
+norm and the gradient flowing back); the RoPE tables a block casts count per position.
+
+A block's bytes (activation_bytes) are counted tensor by tensor from the code, on both kernel
+paths (TENSORS: each name one storage, so a tensor saved twice counts once; SEGMENT_SAVES: what
+each of BLOCK_SEGMENTS saves when it is kept), as the engine runs each policy
+(slidedp/activations/policy.py):
+    segment mask   each kept segment: what its ops save; each run of replayed segments (one
+                   checkpoint): the run's inputs (SEGMENT_INPUTS: the tensors before its first
+                   segment, the residual included). keep is every segment kept; recompute one
+                   run, which keeps the block input.
+    op-level sets  (SavedOps, and torchtitan's "selective" of the GPU-resident modes): the block
+                   input, and the outputs of their ops, cached outside the hooks (OP_OUTPUTS,
+                   OP_SELECTIVE_OUTPUTS).
+    offload=f      f of the hooked bytes on the host, the cached outputs stay on the device.
+What backward holds beyond that (rebuilt_bytes): the largest replayed run's saved tensors less
+the run's inputs and the cached outputs (a checkpoint replays its whole run when backward first
+needs one of them), plus the offloaded part brought back.
+Widths: dim; q = n_heads x head_dim; kv = n_kv_heads x head_dim; hidden = the MLP's width; heads
+and kv_heads (the per-row FP32 log-sum-exp and inverse RMS); the tables 2 x head_dim per position.
+
+These bytes are what the engine's start-up measurement (slidedp/activations/cost.py) gives:
+equal, on the CPU, for all 256 segment masks and the op-level sets of both debug families on
+the torch path (checked once; tests/test_plan_memory.py keeps 12 of them); on the H200 with
+liger (docs/results/h200_call{5,6}_log.txt), within the reports' 0.1 MiB per block for Qwen3-4B
+under keep, keep@offload=0.1 and 0.3, recompute, selective and
+segments(qkv+attention_core+o_proj+mlp_up+down_proj), and for Qwen3-8B under keep, recompute
+and selective; call 1's keep bytes of both paths exactly. Approximate: the few fixed
+bytes of an SDPA kernel (RNG seeds) are not counted; with training.dtype = "fp32" torch's FP32
+copy of an FP32 tensor is the tensor itself, counted twice; mode single's autocast keeps the
+residual stream in FP32 (counted in the compute dtype); what a block's backward allocates
+besides the saved and rebuilt tensors (its gradients, the kernels' workspaces) is not counted.
 
 logits: one chunk of the loss, min(loss_chunk_tokens, tokens) x vocab x LOGITS_BYTES.
 
 Every constant that calibration may change is in the block below. They are counted from the
 code (LOGITS_BYTES and the embedding's gradient were revised after comparing with the peaks
 measured on 2 x H200, docs/PERFORMANCE.md): for Qwen3-8B and 14B under fsdp2 and slidedp the
-estimate is 0-15% above the measured allocation
+estimate is 0-16% above the measured allocation
 (tests/test_preflight.py::test_estimate_is_near_the_measured_peak); for Qwen3-4B on one H200 on
-both kernel paths, -3% to +22% (the most for full recompute;
-test_estimate_is_near_the_measured_peak_on_both_kernel_paths). Not measured: mode single,
-whose autocast keeps the residual stream in FP32 (its activations count as the compute dtype's).
+both kernel paths, -2% to +23% (the most for full recompute;
+test_estimate_is_near_the_measured_peak_on_both_kernel_paths); for the segment mask
+qkv+attention_core+o_proj+mlp_up+down_proj with liger, 127.9 GiB for the 124.9 measured with
+Qwen3-4B at 8 sequences (+2.3%; 16.3 GiB when masks counted as recompute), +6.7% and +5.8% with
+Qwen3-8B at 5 and 6 (blocks 0-8 kept, clipping on; docs/results/h200_call{5,6}_runs.jsonl,
+tests/test_plan_memory.py). Not measured: mode single.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from itertools import groupby
 from typing import Literal
 
 from models.args import QwenArgs
-from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policies
+from models.qwen import BLOCK_SEGMENTS
+from slidedp.activations import (KEEP, RECOMPUTE, ActivationPolicy, Bytes, SavedOps, SegmentMask,
+                                 block_policies)
 from slidedp.host_state import HostStatePlan, updates_deferred
 from slidedp.layout import StateLayout, chunk_elems
 from slidedp.peer_styles import RUNTIME_STYLES
@@ -72,46 +101,63 @@ from slidedp.peer_styles import RUNTIME_STYLES
 Kernel = Literal["liger", "torch"]
 """What models/kernels.py resolves [model] kernels to."""
 
-# ---- calibration constants -----------------------------------------------------------------
+# ---- what one block saves for backward, segment by segment (counted from the code) --------------
 
-_SHARED_TERMS: dict[str, dict[str, tuple[int, int]]] = {
-    # the block input only (non-reentrant checkpoint of the whole block)
-    "recompute": {"dim": (0, 1)},
-    # the block input and the attention kernel's outputs (slidedp/activations.py)
-    "selective": {"dim": (0, 1), "q": (0, 1), "heads": (1, 0)},
-    # activation_checkpoint.mode = "selective", torchtitan's op-level policy
-    # (recipes/baselines/activation_checkpoint.py): the block input, the q, v, gate and down
-    # projections (every other matmul) and the attention kernel's output and log-sum-exp
-    "op_selective": {"dim": (0, 2), "q": (0, 2), "kv": (0, 1), "hidden": (0, 1),
-                     "heads": (1, 0)},
+TENSORS: dict[str, tuple[str, bool]] = {
+    # name -> (width, FP32: else the compute dtype); "tables" are per position, the rest per token
+    "x": ("dim", False), "xn": ("dim", False),                    # block input, input_norm's out
+    "q0": ("q", False), "k0": ("kv", False), "v": ("kv", False),  # the q/k/v projections
+    "q": ("q", False), "k": ("kv", False),                        # after QK-norm + RoPE
+    "o": ("q", False), "lse": ("heads", True),                    # SDPA's output, log-sum-exp
+    "o_mm": ("dim", False), "h": ("dim", False), "hn": ("dim", False),  # o_proj, + x, post_norm
+    "gate": ("hidden", False), "up": ("hidden", False), "silu": ("hidden", False),
+    "a": ("hidden", False), "down_mm": ("dim", False),            # a = SiLU(gate) * up
+    # Inside a norm: torch's FP32 copy of the input and the normalized input before the weight;
+    # on both paths the FP32 inverse RMS, one per row (per token; per head for QK-norm).
+    "x32": ("dim", True), "x_normed": ("dim", False), "x_rstd": ("one", True),
+    "h32": ("dim", True), "h_normed": ("dim", False), "h_rstd": ("one", True),
+    "q32": ("q", True), "q_normed": ("q", False), "q_rstd": ("heads", True),
+    "k32": ("kv", True), "k_normed": ("kv", False), "k_rstd": ("kv_heads", True),
+    # RoPE's cos and sin cast to the compute dtype: by each rotation (torch), once (liger)
+    "tables_q": ("tables", False), "tables_k": ("tables", False), "tables": ("tables", False),
 }
-ACTIVATION_TERMS: dict[str, dict[str, dict[str, tuple[int, int]]]] = {
-    # kernels -> policy -> width -> (FP32 copies, compute-dtype copies) saved per token of one block
+"""The tensors of a block's forward that backward may need; a name is one storage (views, a
+reshape without a copy, a tensor saved by two ops are one). SDPA writes its output in the query's
+(batch, seq, heads, head_dim) layout, so o_proj's input is a view of it, not a copy."""
+
+SEGMENT_INPUTS: dict[str, tuple[str, ...]] = {
+    "input_norm": ("x",), "qkv": ("x", "xn"), "qk_norm_rope": ("x", "q0", "k0", "v"),
+    "attention_core": ("x", "q", "k", "v"), "o_proj": ("x", "o"), "post_norm": ("h",),
+    "mlp_up": ("h", "hn"), "down_proj": ("h", "a")}
+"""What each of BLOCK_SEGMENTS takes (TransformerBlock.run_segments; the residual rides along)."""
+
+SEGMENT_SAVES: dict[str, dict[str, tuple[str, ...]]] = {
+    # kernels -> segment -> what its ops save for backward under plain autograd
     "torch": {
-        "keep": {
-            "dim": (2, 2),      # each RMSNorm saves its FP32 input and its normalized output
-            "qk_norm": (1, 1),  # the same for the per-head query / key norms (Qwen3)
-            "q": (0, 3),        # the query after RoPE, the attention output, o_proj's input copy
-            "kv": (0, 2),       # key after RoPE, value
-            "hidden": (0, 4),   # gate and up outputs, SiLU(gate), the product (down_proj's input)
-            "heads": (1, 0),    # the attention kernel's log-sum-exp
-        },
-        **_SHARED_TERMS,
-    },
-    # liger-kernel's autograd Functions (models/kernels.py); on the H200, Qwen3-4B saved
-    # 110,376 B/token/block (docs/PERFORMANCE.md, 2026-12-01), these terms give 109,696.
+        "input_norm": ("x32", "x_normed", "x_rstd"), "qkv": ("xn",),  # a linear: its input
+        "qk_norm_rope": ("tables_q", "tables_k"), "attention_core": ("q", "k", "v", "o", "lse"),
+        "o_proj": ("o",), "post_norm": ("h32", "h_normed", "h_rstd"),
+        "mlp_up": ("hn", "gate", "silu", "up"), "down_proj": ("a",)},
+    # liger-kernel's autograd Functions: RMSNorm saves its input and inverse RMS, RoPE (in
+    # place) its tables, SwiGLU gate and up (it recomputes SiLU)
     "liger": {
-        "keep": {
-            "dim": (0, 4),      # each RMSNorm's input and its output (the next matmuls' input)
-            "qk_norm": (0, 1),  # the query and key before their norms (Qwen3)
-            "q": (0, 2),        # the rotated query (rotated in place), the attention output
-            "kv": (0, 2),       # the rotated key, the value
-            "hidden": (0, 3),   # gate and up (SwiGLU recomputes SiLU), the product
-            "heads": (1, 0),    # the attention kernel's log-sum-exp
-        },
-        **_SHARED_TERMS,
-    },
+        "input_norm": ("x", "x_rstd"), "qkv": ("xn",),
+        "qk_norm_rope": ("tables",), "attention_core": ("q", "k", "v", "o", "lse"),
+        "o_proj": ("o",), "post_norm": ("h", "h_rstd"),
+        "mlp_up": ("hn", "gate", "up"), "down_proj": ("a",)},
 }
+QK_NORM_SAVES: dict[str, tuple[str, ...]] = {
+    "torch": ("q32", "q_normed", "q_rstd", "k32", "k_normed", "k_rstd"),
+    "liger": ("q0", "q_rstd", "k0", "k_rstd")}
+"""What the per-head query and key norms of qk_norm_rope add (Qwen3)."""
+
+OP_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "attention": ("o", "lse"), "matmul": ("q0", "k0", "v", "o_mm", "gate", "up", "down_mm")}
+"""The outputs of SavedOps' op classes (slidedp/activations/policy.py OP_CLASSES)."""
+OP_SELECTIVE_OUTPUTS = ("q0", "v", "gate", "down_mm", "o", "lse")
+"""torchtitan's op-level policy: every other matmul's output (q, v, gate, down) and SDPA's."""
+
+# ---- calibration constants -----------------------------------------------------------------
 
 STREAM_TERMS: dict[str, tuple[int, int]] = {"dim": (3, 2)}
 """Per token outside the blocks: the embedding output, the final norm's FP32 input and output,
@@ -140,26 +186,85 @@ REFUSE_ABOVE = 1.10
 
 def _widths(args: QwenArgs) -> dict[str, int]:
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    return {"dim": args.dim, "q": q, "kv": kv, "qk_norm": q + kv if args.qk_norm else 0,
-            "hidden": args.hidden_dim, "heads": args.n_heads}
+    return {"dim": args.dim, "q": q, "kv": kv, "hidden": args.hidden_dim, "heads": args.n_heads,
+            "kv_heads": args.n_kv_heads, "one": 1, "tables": 2 * args.head_dim}
 
 
-def _bytes_per_token(terms: dict[str, tuple[int, int]], args: QwenArgs, *,
-                     compute_bytes: int) -> int:
+def _stream_bytes_per_token(args: QwenArgs, *, compute_bytes: int) -> int:
     widths = _widths(args)
     return sum(widths[w] * (fp32 * 4 + copies * compute_bytes)
-               for w, (fp32, copies) in terms.items())
+               for w, (fp32, copies) in STREAM_TERMS.items())
 
 
-def activation_bytes_per_token(args: QwenArgs, policy: ActivationPolicy, *, compute_bytes: int,
-                               kernels: Kernel = "torch") -> int:
-    """Device bytes one block keeps per token for backward under `policy` with the `kernels` of
-    models/kernels.py (see the module docstring for the policies without terms of their own)."""
-    name = policy.base if policy.base in ACTIVATION_TERMS[kernels] else "recompute"
-    saved = _bytes_per_token(ACTIVATION_TERMS[kernels][name], args, compute_bytes=compute_bytes)
-    hooked = saved if name != "selective" else _bytes_per_token(
-        _SHARED_TERMS["recompute"], args, compute_bytes=compute_bytes)
-    return round(saved - policy.offload * hooked)
+def _tensor_bytes(names: Iterable[str], args: QwenArgs, *, compute_bytes: int) -> Bytes:
+    widths, per = _widths(args), {"token": 0, "position": 0}
+    for name in names:
+        width, fp32 = TENSORS[name]
+        per["position" if width == "tables" else "token"] += widths[width] * (
+            4 if fp32 else compute_bytes)
+    return Bytes(per_token=per["token"], per_position=per["position"], fixed=0.0)
+
+
+def segment_saves(args: QwenArgs, kernels: Kernel) -> dict[str, frozenset[str]]:
+    """What each segment's ops save for backward when it is kept."""
+    saves = {s: frozenset(names) for s, names in SEGMENT_SAVES[kernels].items()}
+    if args.qk_norm:
+        saves["qk_norm_rope"] |= frozenset(QK_NORM_SAVES[kernels])
+    return saves
+
+
+def _runs(kept: frozenset[str]) -> list[tuple[bool, tuple[str, ...]]]:
+    """BLOCK_SEGMENTS as runs of kept and of replayed segments, as SegmentMask.forward runs them."""
+    return [(k, tuple(run)) for k, run in groupby(BLOCK_SEGMENTS, key=kept.__contains__)]
+
+
+def saved_tensors(policy: ActivationPolicy, args: QwenArgs,
+                  kernels: Kernel) -> tuple[frozenset[str], frozenset[str]]:
+    """(hooked, cached): the tensors one block keeps for backward under `policy` through
+    autograd's saved-tensor hooks, and the op outputs a selective checkpoint caches beside them.
+    A kept segment saves what its ops save; a run of replayed segments, one checkpoint, saves the
+    run's inputs (its weights only as references). An op-level policy checkpoints the block: the
+    block's input, and the outputs of its ops."""
+    if not isinstance(policy, SegmentMask):
+        return frozenset(SEGMENT_INPUTS[BLOCK_SEGMENTS[0]]), frozenset(_cached_outputs(policy))
+    saves, hooked = segment_saves(args, kernels), set()
+    for kept, run in _runs(policy.kept):
+        hooked |= set().union(*(saves[s] for s in run)) if kept else set(SEGMENT_INPUTS[run[0]])
+    return frozenset(hooked), frozenset()
+
+
+def _cached_outputs(policy: ActivationPolicy) -> Iterable[str]:
+    if isinstance(policy, SavedOps):
+        return {name for op in policy.ops for name in OP_OUTPUTS[op]}
+    return OP_SELECTIVE_OUTPUTS  # _OpSelective, the GPU-resident modes' "selective"
+
+
+def activation_bytes(args: QwenArgs, policy: ActivationPolicy, *, compute_bytes: int,
+                     kernels: Kernel = "torch") -> tuple[Bytes, Bytes]:
+    """(GPU, host) bytes one block keeps for backward under `policy`, as the engine's start-up
+    measurement (slidedp/activations/cost.py) gives them: the offload fraction of the hooked
+    bytes on the host, the rest and the cached op outputs on the device."""
+    hooked, cached = saved_tensors(policy, args, kernels)
+    hooked_bytes = _tensor_bytes(hooked, args, compute_bytes=compute_bytes)
+    cached_bytes = _tensor_bytes(cached - hooked, args, compute_bytes=compute_bytes)
+    return (hooked_bytes.scaled(1 - policy.offload) + cached_bytes,
+            hooked_bytes.scaled(policy.offload))
+
+
+def rebuilt_bytes(args: QwenArgs, policy: ActivationPolicy, *, compute_bytes: int,
+                  kernels: Kernel = "torch") -> Bytes:
+    """What backward holds of one block under `policy` beyond what it kept: the offloaded part,
+    brought back, and the largest replayed run's saved tensors (a checkpoint replays its run
+    when backward first needs one of them), less the run's inputs, which the replay reads where
+    they were kept, and the op outputs a selective checkpoint caches."""
+    saves, cached = segment_saves(args, kernels), saved_tensors(policy, args, kernels)[1]
+    kept = policy.kept if isinstance(policy, SegmentMask) else frozenset()
+    runs = [set().union(*(saves[s] for s in run)) - set(SEGMENT_INPUTS[run[0]]) - cached
+            for is_kept, run in _runs(kept) if not is_kept]
+    largest = max((_tensor_bytes(r, args, compute_bytes=compute_bytes) for r in runs),
+                  key=lambda b: b.per_token, default=Bytes(0.0, 0.0, 0.0))
+    return largest + activation_bytes(args, policy, compute_bytes=compute_bytes,
+                                      kernels=kernels)[1]
 
 
 @dataclass(frozen=True)
@@ -183,8 +288,8 @@ class MemoryEstimate:
 @dataclass(frozen=True)
 class _OpSelective:
     """The GPU-resident modes' activation_checkpoint.mode = "selective" (torchtitan's op-level
-    policy, recipes/baselines/activation_checkpoint.py), by its ACTIVATION_TERMS entry: it is no
-    SlideDP policy, only its memory is needed here."""
+    policy, recipes/baselines/activation_checkpoint.py), which saves OP_SELECTIVE_OUTPUTS: it is
+    no SlideDP policy, only its memory is needed here."""
 
     base: str = "op_selective"
     offload: float = 0.0
@@ -250,27 +355,36 @@ def _resident_and_gradients(config, args: QwenArgs, *, world: int,
 
 
 def estimate_device_memory(config, args: QwenArgs, *, world: int, kernels: Kernel = "torch",
-                           block_bytes: Callable[[ActivationPolicy], float] | None = None
+                           block_bytes: Callable[[ActivationPolicy], float] | None = None,
+                           rebuild_bytes: Callable[[ActivationPolicy], float] | None = None
                            ) -> MemoryEstimate:
     """The estimate for `config` (a recipes.config.JobConfig) on `world` ranks computing with
     `kernels` (what models/kernels.py resolves [model] kernels to on the device).
     `block_bytes(policy)`: one block's device bytes per token under `policy` where they were
-    measured (the planner's, slidedp/plan/workload.py), instead of the terms above."""
+    measured (the planner's, slidedp/plan/workload.py), instead of activation_bytes;
+    `rebuild_bytes(policy)` likewise instead of rebuilt_bytes (AutoPolicy's program counts the
+    rebuild apart)."""
     training = config.training
     compute_bytes = _compute_bytes(config)
-    tokens = training.local_batch_size * training.seq_len
+    batch, seq = training.local_batch_size, training.seq_len
+    tokens = batch * seq
     policies = _policies(config, args.n_layers)
 
     def per_block(policy: ActivationPolicy) -> float:
         if block_bytes is not None:
             return block_bytes(policy)
-        return activation_bytes_per_token(args, policy, compute_bytes=compute_bytes,
-                                          kernels=kernels)
+        gpu, _ = activation_bytes(args, policy, compute_bytes=compute_bytes, kernels=kernels)
+        return gpu.at(batch, seq) / tokens
 
-    per_token = sum(per_block(p) for p in policies)
-    if any(p != KEEP for p in policies):  # the block backward rebuilds (or brings back)
-        per_token += per_block(KEEP)
-    per_token += _bytes_per_token(STREAM_TERMS, args, compute_bytes=compute_bytes)
+    def rebuilt(policy: ActivationPolicy) -> float:
+        if rebuild_bytes is not None:
+            return rebuild_bytes(policy)
+        return rebuilt_bytes(args, policy, compute_bytes=compute_bytes,
+                             kernels=kernels).at(batch, seq) / tokens
+
+    # One block is in backward at a time: the largest rebuild of any block's policy.
+    per_token = sum(per_block(p) for p in policies) + max(rebuilt(p) for p in set(policies))
+    per_token += _stream_bytes_per_token(args, compute_bytes=compute_bytes)
     resident, gradients = _resident_and_gradients(config, args, world=world,
                                                    compute_bytes=compute_bytes)
     return MemoryEstimate(

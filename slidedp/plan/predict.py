@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 
 from models.args import QwenArgs
-from slidedp.activations import KEEP, ActivationPolicy, block_policies
+from slidedp.activations import ActivationPolicy, block_policies
 from slidedp.host_state import HostStatePlan, host_state_regions
 from slidedp.layout import StateLayout, chunk_elems
 from slidedp.plan.memory import MemoryEstimate, estimate_device_memory
@@ -93,7 +93,7 @@ def plan_run(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, r
     batch, tokens = tr.local_batch_size, tr.local_batch_size * tr.seq_len
     host_parts = host_state_regions(StateLayout(args, world=world), state_plan(config))
     host_parts["offload pools"] = world * sum(work.activation_bytes(p, batch)[1] for p in policies)
-    measured = all(work.has_measured_bytes(p) for p in set(policies) | {KEEP})
+    measured = all(work.has_measured_bytes(p) for p in set(policies))
     device = estimate_device_memory(
         config, args, world=world, kernels=kernels,
         block_bytes=(lambda p: work.activation_bytes(p, batch)[0] / tokens) if measured else None)

@@ -14,13 +14,13 @@ The head: 2·dim·vocab per token forward, twice that backward, and with the tor
 chunked loss replays each chunk's logits (once more). The embedding counts none.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import groupby
 
 from models.args import QwenArgs
 from models.qwen import BLOCK_SEGMENTS
 from slidedp.activations import ActivationPolicy, BlockCost, SavedOps, SegmentMask
-from slidedp.plan.memory import activation_bytes_per_token
+from slidedp.plan.memory import activation_bytes, rebuilt_bytes
 from slidedp.plan.rates import Rates, timing_key
 
 _TERMINAL_LINEAR = ("qkv", "o_proj", "down_proj")
@@ -132,16 +132,17 @@ class Workload:
 
     def activation_bytes(self, policy: ActivationPolicy, batch: int) -> tuple[int, int]:
         """(GPU, host) bytes one block keeps for backward under `policy`: measured where the
-        probe took it, else the shape-derived estimate (slidedp/plan/memory.py: segment masks
-        and op sets it has no terms for count as recompute there, a lower bound)."""
+        probe took it, else from the shapes (slidedp/plan/memory.py activation_bytes)."""
         cost = self.cost(policy)
-        if cost is not None:
-            return cost.gpu.at(batch, self.seq), cost.host.at(batch, self.seq)
-        tokens = batch * self.seq
-        gpu = activation_bytes_per_token(self.args, policy, compute_bytes=2, kernels=self.kernels)
-        kept = activation_bytes_per_token(self.args, replace(policy, offload=0.0),
-                                          compute_bytes=2, kernels=self.kernels)
-        return gpu * tokens, (kept - gpu) * tokens
+        gpu, host = ((cost.gpu, cost.host) if cost is not None else
+                     activation_bytes(self.args, policy, compute_bytes=2, kernels=self.kernels))
+        return gpu.at(batch, self.seq), host.at(batch, self.seq)
+
+    def rebuilt_bytes(self, policy: ActivationPolicy, batch: int) -> int:
+        """GPU bytes backward holds of one block under `policy` beyond what it kept, from the
+        shapes (slidedp/plan/memory.py rebuilt_bytes)."""
+        return rebuilt_bytes(self.args, policy, compute_bytes=2,
+                             kernels=self.kernels).at(batch, self.seq)
 
 
 def _base_name(policy: ActivationPolicy) -> str:

@@ -1,0 +1,124 @@
+"""The planner's activation bytes from the shapes (slidedp/plan/memory.py) against what the
+engine measures: its start-up measurement of one block on the CPU (slidedp/activations/cost.py),
+the same measurement's reports on the H200, and the peaks measured there."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.flavors import FLAVORS, get_flavor
+from models.kernels import TORCH_KERNELS
+from recipes.config import JobConfig
+from slidedp.activations import KEEP, measure_costs, parse_policy
+from slidedp.plan.memory import activation_bytes, estimate_device_memory, rebuilt_bytes
+from tests.conftest import REPO
+
+GiB, MiB = 2**30, 2**20
+RESULTS = Path(REPO, "docs", "results")
+
+POLICIES = ["recompute", "keep", "segments()", "segments(input_norm+qkv+qk_norm_rope+attention_core"
+            "+o_proj+post_norm+mlp_up+down_proj)", "segments(attention_core)",
+            "segments(qkv+attention_core+o_proj+mlp_up+down_proj)",
+            "segments(input_norm+qk_norm_rope+post_norm)", "segments(qkv+qk_norm_rope+mlp_up)",
+            "segments(post_norm+mlp_up+down_proj)@offload=0.5", "selective", "ops(matmul)",
+            "ops(matmul+attention)@offload=1"]
+"""The empty and the full mask (in both spellings), masks whose replayed runs start at every
+kind of boundary, an offloaded mask, and the op-level sets."""
+
+
+@pytest.mark.parametrize("flavor", ["qwen3-debug", "qwen2.5-debug"])
+def test_shape_bytes_are_what_the_engine_measures_on_the_cpu(flavor):
+    """Per token and per position, GPU and host: equal up to the fit's float rounding."""
+    args = get_flavor(flavor)
+    policies = [parse_policy(p) for p in POLICIES]
+    costs = measure_costs(policies, args, TORCH_KERNELS, device=torch.device("cpu"), seq_len=128)
+    for policy in policies:
+        gpu, host = activation_bytes(args, policy, compute_bytes=2, kernels="torch")
+        measured = costs[policy]
+        for ours, theirs in ((gpu, measured.gpu), (host, measured.host)):
+            assert ours.per_token == pytest.approx(theirs.per_token, rel=1e-9), policy.name
+            assert ours.per_position == pytest.approx(theirs.per_position, rel=1e-9, abs=1e-9)
+
+
+def rebuilt(args, policy: str, kernels: str = "torch") -> float:
+    return rebuilt_bytes(args, parse_policy(policy), compute_bytes=2, kernels=kernels).per_token
+
+
+def test_what_backward_rebuilds():
+    """Nothing under keep; the whole block under recompute, less the block input where keep
+    saves it (liger's RMSNorm), as the replay reads it where recompute kept it; a mask's largest
+    replayed run, no more; an offloaded part comes back."""
+    args = FLAVORS["qwen3-4B"]
+    keep = {k: activation_bytes(args, KEEP, compute_bytes=2, kernels=k)[0].per_token
+            for k in ("torch", "liger")}
+    assert rebuilt(args, "keep") == 0 and rebuilt(args, "recompute") == keep["torch"]
+    assert rebuilt(args, "recompute", "liger") == keep["liger"] - 2 * args.dim
+    norms = "segments(qkv+attention_core+o_proj+mlp_up+down_proj)"  # replays the norms only
+    assert 0 < rebuilt(args, norms) < rebuilt(args, "segments(attention_core)") < keep["torch"]
+    assert rebuilt(args, "keep@offload=0.5") == pytest.approx(keep["torch"] / 2)
+
+
+# The H200's start-up reports, "[slidedp] activations per block for 8 x 4096 tokens"
+# (docs/results/h200_call5_log.txt, h200_call6_log.txt; liger): (flavor, policy, MiB GPU, host).
+H200_REPORTS = [
+    ("qwen3-4B", "keep", 3435.3, 0.0), ("qwen3-4B", "recompute", 160.0, 0.0),
+    ("qwen3-4B", "selective", 420.0, 0.0), ("qwen3-4B", "keep@offload=0.1", 3091.7, 343.5),
+    ("qwen3-4B", "keep@offload=0.3", 2404.7, 1030.6),
+    ("qwen3-4B", "segments(qkv+attention_core+o_proj+mlp_up+down_proj)", 3428.0, 0.0),
+    ("qwen3-8B", "keep", 4299.3, 0.0), ("qwen3-8B", "recompute", 256.0, 0.0),
+    ("qwen3-8B", "selective", 516.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("flavor, policy, gpu_mib, host_mib", H200_REPORTS)
+def test_shape_bytes_are_the_h200_start_up_reports(flavor, policy, gpu_mib, host_mib):
+    """Within the reports' rounding to 0.1 MiB (and the SDPA kernel's few fixed bytes)."""
+    gpu, host = activation_bytes(FLAVORS[flavor], parse_policy(policy), compute_bytes=2,
+                                 kernels="liger")
+    assert gpu.at(8, 4096) / MiB == pytest.approx(gpu_mib, abs=0.1)
+    assert host.at(8, 4096) / MiB == pytest.approx(host_mib, abs=0.1)
+
+
+def test_shape_bytes_are_call_1s_keep_bytes_on_both_paths():
+    """recipes/bench/activations.py's count through autograd's saved tensors, one sequence."""
+    rows = [json.loads(line) for line in (RESULTS / "h200_call1_activations.jsonl").open()]
+    rows = [r for r in rows if r["saved_bytes_per_token"] is not None]
+    assert {(r["flavor"], r["kernels"]) for r in rows} == {
+        (f, k) for f in ("qwen3-4B", "qwen3-8B") for k in ("torch", "liger")}
+    for r in rows:
+        gpu, _ = activation_bytes(FLAVORS[r["flavor"]], parse_policy(r["policy"]),
+                                  compute_bytes=2, kernels=r["kernels"])
+        assert gpu.at(r["batch"], r["seq"]) / (r["batch"] * r["seq"]) == pytest.approx(
+            r["saved_bytes_per_token"], abs=0.01)
+
+
+def _slidedp_config(row: dict) -> JobConfig:
+    """A recorded one-H200 SlideDP row's configuration."""
+    config = JobConfig()
+    config.parallelism.mode = "slidedp"
+    t = config.training
+    t.local_batch_size, t.seq_len, t.max_norm = row["local_batch"], row["seq"], row["max_norm"]
+    delivery, reduction = row["route"].split("/")
+    config.slidedp = dataclasses.replace(
+        config.slidedp, activation=row["ac"], activation_blocks=row["activation_blocks"],
+        keep_blocks=row["keep_blocks"], delivery=delivery, reduction=reduction,
+        bf16_shadow=row.get("bf16_shadow", config.slidedp.bf16_shadow))
+    return config
+
+
+def test_segment_mask_peaks_on_the_h200():
+    """The masks' measured peaks (calls 5 and 6): the estimate is within 0-10% above them;
+    counted as recompute it was 16.3 GiB for Qwen3-4B's 124.9."""
+    rows = [json.loads(line) for call in (5, 6)
+            for line in (RESULTS / f"h200_call{call}_runs.jsonl").open()]
+    masks = [r for r in rows if r["mode"] == "slidedp" and r["ac"].startswith("segments(")]
+    assert {(r["flavor"], r["local_batch"]) for r in masks} == {
+        ("qwen3-4B", 8), ("qwen3-8B", 5), ("qwen3-8B", 6)}
+    for r in masks:
+        est = estimate_device_memory(_slidedp_config(r), FLAVORS[r["flavor"]], world=1,
+                                     kernels=r["kernels"])
+        assert 1.0 < est.total / GiB / r["peak_mem_alloc_gib"] < 1.10, r
+
