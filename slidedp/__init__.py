@@ -17,3 +17,11 @@
   state_file.py   per-rank FP32 shards of master + moments, for resuming
   engine.py       the streamed training step (TrainBackend)
 """
+
+# Imported before any process group exists (every entry point imports this package first):
+# torch.distributed.nn.functional binds the default group as its functions' default argument on
+# first import, and torch imports it lazily (torch._dynamo, e.g. for a meta-device module's init).
+# After init_process_group that keeps the default group alive past destroy_process_group(), so
+# its gloo threads run into interpreter exit, where one that drops a finished collective's
+# tensors needs the GIL and aborts the process ("terminate called without an active exception").
+import torch.distributed.nn.functional  # noqa: E402, F401

@@ -769,9 +769,25 @@ class SlideDPBackend:
         finally:
             self._deliverer.shutdown(wait=True, cancel_futures=True)
             self._updater.shutdown(wait=True, cancel_futures=True)
+            if not self.state.aborted.is_set():  # a failed rank's peers may still be in one
+                self._destroy_groups()
             self.offloader.clear()
             self.buffers.clear()
             self.state.close()
+
+    def _destroy_groups(self) -> None:
+        """End this backend's process groups once no thread of it can issue a collective. Left
+        alive, they live as long as the backend (reference cycles: often until interpreter exit),
+        and a gloo worker thread that drops a finished collective's tensors after the caller has
+        dropped its own needs the GIL; during interpreter finalization that aborts the process
+        ("terminate called without an active exception"). Destroyed here, each group joins its
+        threads now (torch releases the GIL for it), every rank in the same order."""
+        groups = [g for g in (self.host_group, self._gather_group, self._reduce_group)
+                  if g is not None]
+        self.host_group = self._gather_group = self._reduce_group = None
+        self.delivery.group = self.grad_return.group = None
+        for group in groups:
+            dist.destroy_process_group(group)
 
 
 def build_slidedp_backend(job_config, model_args: QwenArgs, *, device: torch.device,

@@ -618,6 +618,54 @@ def test_a_failing_step_ends_every_rank_promptly(tmp_path, delivery, max_norm, e
     assert _shmem_bytes() - before < 2**26
 
 
+NO_THREAD_LEFT = """
+import os, time, torch, torch.distributed as dist
+from models.flavors import get_flavor
+from slidedp.engine import SlideDPBackend
+from tests.slidedp_worker import make_config
+
+
+def gloo_threads(expected: int) -> int:
+    # A joined thread may linger in /proc for a moment.
+    for _ in range(100):
+        names = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+            except OSError:
+                pass  # it has just exited
+        if names.count("pt_gloo_runloop") == expected:
+            break
+        time.sleep(0.01)
+    return names.count("pt_gloo_runloop")
+
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+default = gloo_threads(-1)
+assert default > 0, "torch names its gloo worker threads pt_gloo_runloop"
+args = get_flavor("qwen3-debug")
+cfg = make_config({"delivery": "sharded", "reduction": "cpu"}, accum=1, max_norm=0.5)
+backend = SlideDPBackend(cfg, args, device=torch.device("cpu"), dp_rank=rank, dp_world=world)
+x = torch.randint(0, args.vocab_size, (2, 16))
+backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel() * world)
+backend.close()
+assert gloo_threads(default) == default  # the backend's groups are gone (it is still referenced)
+dist.destroy_process_group()
+assert gloo_threads(0) == 0  # the default group too: nothing holds it past destroy
+"""
+
+
+def test_no_gloo_thread_outlives_close_and_destroy(tmp_path):
+    """close() ends the backend's process groups and destroy_process_group() the default one,
+    each joining its gloo threads then: one still alive at interpreter exit that drops a finished
+    collective's tensors needs the GIL there and aborts the rank ("terminate called without an
+    active exception", seen on a loaded 2-core CI machine)."""
+    script = tmp_path / "no_thread_left.py"
+    script.write_text(NO_THREAD_LEFT)
+    run_torchrun([str(script)], nproc=2)
+
+
 def test_offloaded_activations_are_freed_when_a_step_fails():
     """A step that fails in the head, with every block's activations offloaded (and the graphs
     still referenced by the exception's traceback): every host slice and every GPU-side copy is
