@@ -227,9 +227,9 @@ class SlideDPBackend:
         self._queue.order = UPDATE_ORDERS[name]
 
     def set_cpu_threads(self, threads: int) -> None:
-        """Switch slidedp.cpu_threads between steps (0: this rank's share of the cores). The
-        updates and host sums still running finish with the old count; the count changes timing
-        only (the CPU Adam's result does not depend on it)."""
+        """Switch slidedp.cpu_threads between steps (0: this rank's share of the cores). Pending
+        updates finish first, with the old count; the count changes timing only (the CPU Adam's
+        result does not depend on it)."""
         if threads < 0:
             raise ValueError(f"slidedp.cpu_threads must be >= 0, got {threads}")
         self._drain()

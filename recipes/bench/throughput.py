@@ -251,7 +251,8 @@ def main() -> None:
                            **_runtime_state(a, backend, args)) if a.mode == "slidedp" else {}
             row = _row(a, args=args, route=route, ac=a.ac if a.mode != "slidedp" else policy,
                        batch=batch, accum=accum, slidedp=slidedp, measured=measured,
-                       label=f"{a.label}-t{threads}" if threads else None, **keys)
+                       label="-".join(filter(None, (a.label, f"t{threads}"))) if threads else None,
+                       **keys)
             if rank == 0:
                 emit("bench", row, a.out)
     if a.autopolicy and a.mode == "slidedp":
@@ -344,7 +345,7 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
     """One measured point as a JSONL row (its configuration, then what was measured)."""
     step_time = measured["step_time_s"]
     none = dict.fromkeys(("activation_blocks", "keep_blocks", "slots", "chunk_mib",
-                          "update_order", "runtime", "bf16_shadow"))
+                          "update_order", "runtime", "bf16_shadow", "cpu_threads"))
     return {"mode": a.mode, "label": a.label if label is None else label, "flavor": a.flavor,
             "route": route, "kernels": kernels, "attention_op": attention_op, "ac": ac,
             **{**none, **slidedp},
@@ -367,9 +368,12 @@ def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args:
     time and steps and the configuration it started from measured by AutoPolicy itself."""
     cfg = _config(a, route)
     cfg.training.local_batch_size = a.autopolicy
-    # It starts from the configured policies (--activation, ...), not the last point's.
+    # It starts from the configured policies (--activation, ...), update order and threads, not
+    # the last point's: the row records those.
     backend.set_activation(default=a.activation, blocks=a.activation_blocks,
                            keep_blocks=a.keep_blocks)
+    backend.set_update_order(cfg.slidedp.update_order)
+    backend.set_cpu_threads(int(a.cpu_threads.split(",")[0]))
     chosen = select_live(backend, cfg, args, flavor=a.flavor, device=device, rank=rank,
                          world=world, group=dist.group.WORLD if world > 1 else None,
                          out=os.path.join(os.path.dirname(a.out) or ".",
@@ -381,7 +385,7 @@ def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args:
                         batch=a.autopolicy, name=f"autopolicy_b{a.autopolicy}", rank=rank,
                         world=world, device=device)
     slidedp = dict(activation_blocks=format_blocks(policies, policies[0]), keep_blocks=0,
-                   slots=s.window_slots, chunk_mib=s.chunk_mib, update_order=a.update_order.split(",")[0],
+                   slots=s.window_slots, chunk_mib=s.chunk_mib, update_order=cfg.slidedp.update_order,
                    **_runtime_state(a, backend, args))
     row = _row(a, args=args, route=f"{s.delivery}/{s.reduction}", ac=policies[0].name,
                batch=a.autopolicy, accum=1, slidedp=slidedp, label="autopolicy",
