@@ -1,13 +1,17 @@
 """The step-time model (slidedp/plan/steptime.py, simulate.py) against steps computed by hand:
 pure compute, a host-bound step, a slot-release stall, an offload-bound step; and its lower
-bounds and routes."""
+bounds and routes; the attention core at a measured attention rate (slidedp/plan/workload.py)."""
+
+from dataclasses import replace
 
 import pytest
 
-from slidedp.plan.rates import Machine, Rates
+from models.flavors import get_flavor
+from slidedp.activations import KEEP, RECOMPUTE
+from slidedp.plan.rates import Machine, Rates, load_rates, timing_key
 from slidedp.plan.simulate import Simulation
 from slidedp.plan.steptime import STEP_EDGE_S, StepSpec, simulate_step
-from slidedp.plan.workload import MicroBatchWork
+from slidedp.plan.workload import MicroBatchWork, Workload, segment_flops
 
 FAST = 1e9  # GB/s: a link that takes no time
 
@@ -122,3 +126,25 @@ def test_shared_capacity_slows_every_task_alike():
     assert sim.tasks[x].end == pytest.approx(2.0)
     assert sim.tasks[after].start == pytest.approx(2.0)
     assert sim.tasks[y].end == pytest.approx(4.0) and sim.tasks[after].end == pytest.approx(4.0)
+
+
+def test_a_measured_attention_rate_times_the_attention_core_apart():
+    """At a length with a measured attention rate the attention core runs at it, its backward
+    2.5 times its forward, and a policy that replays it pays one forward more; elsewhere (and
+    for the rest of the block) the matmul rate holds."""
+    args, seq, batch = get_flavor("qwen3-8B"), 65536, 1
+    base = load_rates("h200")
+    rate = base.tflops("qwen3-8B", "liger") / 2  # attention at half the matmul rate
+    timed = replace(base, attention_tflops={timing_key("qwen3-8B", seq): rate})
+    plain, split = (Workload(r, args, flavor="qwen3-8B", kernels="liger", seq=seq)
+                    for r in (base, timed))
+    attention_s = segment_flops(args, seq)["attention_core"] * batch * seq / (rate * 1e12)
+    at_matmul_rate = attention_s / 2
+    for policy, replays in ((KEEP, 0), (RECOMPUTE, 1)):
+        (f0, b0), (f1, b1) = plain.block(policy, batch), split.block(policy, batch)
+        assert f1 - f0 == pytest.approx(attention_s - at_matmul_rate)
+        assert b1 - b0 == pytest.approx((2.5 + replays) * attention_s
+                                        - (2 + replays) * at_matmul_rate)
+    other = Workload(timed, args, flavor="qwen3-8B", kernels="liger", seq=4096)
+    assert other.block(RECOMPUTE, batch) == Workload(base, args, flavor="qwen3-8B",
+                                                     kernels="liger", seq=4096).block(RECOMPUTE, batch)

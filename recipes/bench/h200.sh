@@ -35,11 +35,27 @@ largest() {
 # long_context FLAVOR: one 262,144-token sequence. Qwen3's cards give YaRN x4 over 32,768 native
 # positions for 131,072; 262,144 takes x8 (our choice, beyond the 131,072 Qwen validated). Full
 # recompute (the block-boundary states alone are 2 x dim bytes/token/block: 45 GiB for 4B, 72 GiB
-# for 8B), no clipping, one timed step without warm-up: a step takes minutes.
+# for 8B), no clipping, one timed step without warm-up: a step takes minutes. First attention
+# alone at that length (the run's default order, and flash), then the step-time model's
+# prediction with the rate measured there (written before the step runs), then the step on the
+# faster backend, with expandable segments: the card runs at its memory limit, where a cached
+# allocator's fragments cost retries and frees.
 long_context() {
-  timeout "${LONG_SECONDS:-590}" "${bench[@]}" --mode slidedp --kernels liger --flavor "$1" --seq 262144 \
+  local flavor=$1 seq=262144 rows="$out/attention_$1_262k.jsonl" backend
+  python3 -m recipes.bench.attention --flavor "$flavor" --seq $seq --batches 1 --iters 1 \
+    --warmup 1 --backends auto,flash --out "$rows"
+  backend=$(python3 -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(max((r for r in rows if "tflops" in r), key=lambda r: r["tflops"])["backend"])' "$rows") \
+    || backend=auto
+  python3 -m recipes.bench.model_check predict --rates h200 --flavor "$flavor" --seq $seq \
+    --kernels liger --points recompute:1 --attention-rows "$rows" --attention "$backend" \
+    --out "$out/long_predicted.jsonl"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${LONG_SECONDS:-590}" "${bench[@]}" \
+    --mode slidedp --kernels liger --flavor "$flavor" --seq $seq --attention "$backend" \
     --rope-scaling-type yarn --rope-scaling-factor 8 --original-max-position-embeddings 32768 \
     --points recompute:1 --max-norm 0 --no-memory-check --warmup 0 --steps 1 --label yarn8-262k
+  python3 -m recipes.bench.model_check compare "$out/long_predicted.jsonl" "$out/runs.jsonl"
 }
 # plan: the step-time model and AutoPolicy against measurement (issues 10 and 11) on one H200, in
 # about 9 minutes, most important first. Qwen3-8B with clipping: the hand-picked mixes at 16 and

@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from recipes.bench.rows import emit
@@ -28,7 +29,7 @@ from recipes.bench.throughput import point_specs, system_name
 from recipes.config import JobConfig, resolve_model
 from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.plan.predict import plan_run
-from slidedp.plan.rates import Rates, load_rates
+from slidedp.plan.rates import Rates, load_rates, timing_key
 from slidedp.plan.report import kernels_for
 from slidedp.plan.workload import Workload
 
@@ -169,12 +170,25 @@ def summary(errors: list[float]) -> str:
 # ---- predictions written before measuring ------------------------------------------------------------
 
 
+def with_attention(rates: Rates, paths: list[str], *, attention: str) -> Rates:
+    """`rates` with the attention rates of recipes/bench/attention.py's rows for the backend
+    `attention` (the bench's --attention); SystemExit when none of them timed it."""
+    timed = {timing_key(r["flavor"], r["seq"]): r["tflops"] for _, r in _rows(paths)
+             if r.get("backend") == attention and "tflops" in r}
+    if not timed:
+        raise SystemExit(f"error: {', '.join(paths)}: no timed row of the {attention} backend")
+    return replace(rates, attention_tflops={**rates.attention_tflops, **timed})
+
+
 def prediction_rows(rates_path: str, *, flavor: str, seq: int, points: list[str], world: int,
                     route: str, kernels: str, slots: int, chunk_mib: float, max_norm: float,
-                    nonfinite: str) -> list[dict]:
+                    nonfinite: str, attention_rows: list[str] = (),
+                    attention: str = "auto") -> list[dict]:
     """One row per point of the bench's syntax (POLICY[|BLOCKS]:B1,B2), keyed as the bench keys
-    its."""
+    its; with `attention_rows`, the attention rate measured there (`with_attention`)."""
     rates = load_rates(rates_path)
+    if attention_rows:
+        rates = with_attention(rates, list(attention_rows), attention=attention)
     rows = []
     for policy, blocks, batches in point_specs(points):
         for batch in batches:
@@ -182,7 +196,8 @@ def prediction_rows(rates_path: str, *, flavor: str, seq: int, points: list[str]
                    "route": route, "ac": policy, "activation_blocks": blocks, "keep_blocks": 0,
                    "slots": slots, "chunk_mib": chunk_mib, "world": world, "seq": seq,
                    "local_batch": int(batch), "accum": 1, "max_norm": max_norm,
-                   "nonfinite": nonfinite, "rates": rates_path}
+                   "nonfinite": nonfinite, "rates": rates_path,
+                   "attention_tflops": rates.attention(flavor, seq)}
             if kernels == "auto":
                 row["kernels"] = kernels_for(config_of(row), rates)
             rows.append({**row, **predict(row, rates)})
@@ -252,6 +267,9 @@ def main() -> int:
     w.add_argument("--chunk-mib", type=float, default=32.0)
     w.add_argument("--max-norm", type=float, default=0.0)
     w.add_argument("--nonfinite", default="off")
+    w.add_argument("--attention-rows", nargs="*", default=[],
+                   help="JSONL of recipes/bench/attention.py: time attention at its measured rate")
+    w.add_argument("--attention", default="auto", help="the backend of those rows (the bench's --attention)")
     w.add_argument("--out", required=True, help="JSONL file the rows are appended to")
     m = sub.add_parser("compare", help="predictions against the rows measured after them")
     m.add_argument("predicted", help="the rows `predict` wrote")
@@ -264,7 +282,8 @@ def main() -> int:
         for row in prediction_rows(a.rates, flavor=a.flavor, seq=a.seq, points=a.points,
                                    world=a.world, route=a.route, kernels=a.kernels, slots=a.slots,
                                    chunk_mib=a.chunk_mib, max_norm=a.max_norm,
-                                   nonfinite=a.nonfinite):
+                                   nonfinite=a.nonfinite, attention_rows=a.attention_rows,
+                                   attention=a.attention):
             emit("predicted", row, a.out)
         return 0
     if a.command == "check":

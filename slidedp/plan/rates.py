@@ -7,7 +7,8 @@ specs, labelled so), so a plan can be made for hardware one does not have.
 
 GPU compute comes from measured block timings (`blocks`, per sequence at one sequence length)
 where the probe took them, else from the FLOP count of the policy (slidedp/plan/workload.py) at
-an effective rate (`gpu_tflops`).
+an effective rate (`gpu_tflops`); at a length where attention was timed (`attention_tflops`),
+the attention core at its own rate.
 """
 
 import hashlib
@@ -112,6 +113,11 @@ class Rates:
     """Share of a collective's traffic on each device (what it sends and receives) that crosses
     its PCIe link and the host: 0 over NVLink/NVSwitch, 1 without any GPU interconnect, between
     for NVLink bridges that join pairs."""
+    attention_tflops: dict[str, float] = field(default_factory=dict)
+    """Causal attention's forward + backward TFLOP/s by `timing_key(flavor, seq)`, measured
+    (recipes/bench/attention.py, which counts forward 2 and backward 5 half-size matmuls). Where
+    absent the attention core counts as a matmul at `gpu_tflops`, whose fit at 4,096 tokens
+    includes it; at long sequences attention is most of a block and runs at neither rate."""
     blocks: dict[str, BlockTiming] = field(default_factory=dict)
     """Measured timings by `timing_key` (blocks under each policy, "head", "embed")."""
     costs: dict[str, BlockCost] = field(default_factory=dict)
@@ -140,6 +146,10 @@ class Rates:
             raise KeyError(f"rates of {self.machine.name}: no GPU rate for {flavor} on the "
                            f"{kernels} kernels (gpu_tflops has {', '.join(self.gpu_tflops)})")
         return rate
+
+    def attention(self, flavor: str, seq: int) -> float | None:
+        """The measured attention rate of `flavor` at `seq`, if any."""
+        return self.attention_tflops.get(timing_key(flavor, seq))
 
     def with_model(self, model: str, blocks: dict[str, BlockTiming],
                    costs: dict[str, BlockCost]) -> "Rates":

@@ -10,6 +10,9 @@ projection of a replayed run whose output the next segment saved itself (qkv, o_
 down_proj: a linear's backward needs its input, not its output; torch's non-reentrant checkpoint
 stops once the last saved tensor is rebuilt). `recompute` thus replays all but the down
 projection; `selective` also skips the attention core; `ops(matmul+attention)` replays no FLOPs.
+Where the rates hold a measured attention rate at this length, the attention core is timed
+apart at it, its backward 2.5 times its forward (flash-style kernels rebuild the scores: 5
+half-size matmuls against 2); everything else stays at the matmul rate.
 The head: 2·dim·vocab per token forward, twice that backward, and with the torch kernels the
 chunked loss replays each chunk's logits (once more). The embedding counts none.
 """
@@ -26,6 +29,8 @@ from slidedp.plan.rates import Rates, timing_key
 _TERMINAL_LINEAR = ("qkv", "o_proj", "down_proj")
 """Segments ending in a projection whose output backward does not need."""
 _ATTENTION_SEGMENT = "attention_core"
+_ATTENTION_BACKWARD = 2.5
+"""Attention's backward over its forward in FLOPs (5 half-size matmuls against 2)."""
 
 
 def segment_flops(args: QwenArgs, seq: int) -> dict[str, float]:
@@ -57,6 +62,13 @@ def replay_flops(policy: ActivationPolicy, args: QwenArgs, seq: int) -> float:
             if run[-1] in _TERMINAL_LINEAR:
                 total -= flops[run[-1]]
     return total
+
+
+def replays_attention(policy: ActivationPolicy) -> bool:
+    """Whether backward under `policy` runs the attention core's forward again."""
+    if isinstance(policy, SavedOps):
+        return "attention" not in policy.ops
+    return _ATTENTION_SEGMENT not in policy.kept
 
 
 @dataclass(frozen=True)
@@ -96,10 +108,19 @@ class Workload:
         measured = self._measured(_base_name(policy))
         if measured is not None:
             return measured.forward_s * batch, measured.backward_s * batch
-        forward = sum(segment_flops(self.args, self.seq).values())
+        flops = segment_flops(self.args, self.seq)
+        forward, replay = sum(flops.values()), replay_flops(policy, self.args, self.seq)
         tokens = batch * self.seq
-        return (self._flop_seconds(forward, tokens),
-                self._flop_seconds(2 * forward + replay_flops(policy, self.args, self.seq), tokens))
+        rate = self.rates.attention(self.flavor, self.seq)
+        if rate is None:
+            return (self._flop_seconds(forward, tokens),
+                    self._flop_seconds(2 * forward + replay, tokens))
+        attention = flops[_ATTENTION_SEGMENT]
+        replayed = attention if replays_attention(policy) else 0.0
+        attention_s = attention * tokens / (rate * 1e12)
+        return (self._flop_seconds(forward - attention, tokens) + attention_s,
+                self._flop_seconds(2 * (forward - attention) + replay - replayed, tokens)
+                + attention_s * (_ATTENTION_BACKWARD + replayed / attention))
 
     def head(self, batch: int) -> float:
         measured = self._measured("head")
