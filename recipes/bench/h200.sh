@@ -35,7 +35,8 @@ largest() {
 # long_context FLAVOR: one 262,144-token sequence. Qwen3's cards give YaRN x4 over 32,768 native
 # positions for 131,072; 262,144 takes x8 (our choice, beyond the 131,072 Qwen validated). Full
 # recompute (the block-boundary states alone are 2 x dim bytes/token/block: 45 GiB for 4B, 72 GiB
-# for 8B), no clipping, one timed step without warm-up: a step takes minutes. First attention
+# for 8B), no clipping, one timed step after the bench's own warm-up step (SlideDP's first
+# update cycle; `--warmup 0` adds none): two steps of minutes each. First attention
 # alone at that length (the run's default order, and flash), then the step-time model's
 # prediction with the rate measured there (written before the step runs), then the step on the
 # faster backend, with expandable segments: the card runs at its memory limit, where a cached
@@ -253,8 +254,10 @@ for stage in "$@"; do
             run --mode deepspeed --zero-stage 3 --ac full --batches 4,16 --kernels liger --flavor qwen3-4B ;;
     zero8b) run --mode deepspeed --zero-stage 2 --ac full --batches 4,16 --kernels liger --flavor qwen3-8B ;;
     plan) plan_stage ;;
+    # REPRODUCE_ARGS: more flags for every reproduce script (e.g. --systems, --timeout).
     reproduce-*) name=${stage#reproduce-}
-                 python3 -m "recipes.reproduce.$name" --kernels liger --out-dir "$out/$name" ;;
+                 python3 -m "recipes.reproduce.$name" --kernels liger --out-dir "$out/$name" \
+                   ${REPRODUCE_ARGS:-} ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
