@@ -1,15 +1,28 @@
 """AutoPolicy (slidedp/plan/autopolicy.py): its integer program (slidedp/plan/ilp.py) against
-brute force on small instances, and the live stages on two CPU ranks, whose choice a later run
-loads from the policy file and trains with the same losses."""
+brute force on small instances; the screen, the calibration and the meter on the Qwen3-8B case
+of issue 11 (the model from shipped rates, the probe's timings and the measurements made up);
+and the live stages on two CPU ranks, whose choice a later run loads from the policy file and
+trains with the same losses."""
 
 import itertools
 import json
 import random
 import re
-import pytest
+from dataclasses import replace
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from recipes.config import parse_config, resolve_model
+from slidedp.activations import KEEP, RECOMPUTE, parse_policy
+from slidedp.plan import autopolicy
+from slidedp.plan.autopolicy import (Model, _budgets, _Meter, build_program, calibrate, screen,
+                                     setting_of)
 from slidedp.plan.ilp import Choice, Option, feasible, objective, solve
 from slidedp.plan.policy_file import POLICY_FILE_NAME
+from slidedp.plan.rates import BlockTiming, load_rates, model_key, timing_key
+from slidedp.plan.report import kernels_for
 from tests.conftest import run_torchrun, subprocess_env
 
 RESOURCES = ("gpu compute", "cpu update", "h2d per GPU", "d2h per GPU")
@@ -37,7 +50,8 @@ def brute_force(options, choices, *, blocks, ranks, gpu_budget, host_budget, reb
 def instance(seed: int):
     rng = random.Random(seed)
     choices = [Choice(name="keep", demand={"gpu compute": rng.uniform(0.1, 0.2)},
-                      gpu_bytes=rng.uniform(4, 8) * 2**30, host_bytes=0, rebuilds=False)]
+                      gpu_bytes=rng.uniform(4, 8) * 2**30, host_bytes=0, rebuilds=False,
+                      residual=rng.uniform(-0.05, 0.05))]
     for i in range(rng.randint(2, 3)):
         offload = rng.random() < 0.5
         choices.append(Choice(
@@ -46,7 +60,8 @@ def instance(seed: int):
                     **({"h2d per GPU": rng.uniform(0.05, 0.3), "d2h per GPU": rng.uniform(0.05, 0.3)}
                        if offload else {})},
             gpu_bytes=rng.uniform(0.2, 4) * 2**30,
-            host_bytes=rng.uniform(1, 5) * 2**30 if offload else 0))
+            host_bytes=rng.uniform(1, 5) * 2**30 if offload else 0,
+            residual=rng.uniform(-0.05, 0.05) if rng.random() < 0.5 else 0.0))
     options = [Option(name=f"o{j}", settings={}, residual=rng.uniform(0, 0.3),
                       demand={r: rng.uniform(0.2, 2.5) for r in RESOURCES},
                       gpu_bytes=rng.uniform(2, 10) * 2**30, host_bytes=rng.uniform(10, 60) * 2**30)
@@ -88,6 +103,113 @@ def test_spare_memory_buys_the_policy_that_replays_less():
     assert solve([option], [keep], gpu_budget=20 * 2**30, **kw) is None
 
 
+# ---- the screen, the calibration, the meter -------------------------------------------------------
+
+SELECTIVE = parse_policy("selective")
+
+
+def qwen3_8b(*, selective_vs_recompute: float) -> Model:
+    """Qwen3-8B at 24 sequences from `recompute` on every block, on the shipped H200 rates with a
+    probe's block timings: `selective` `selective_vs_recompute` times recompute's (the probe
+    found 11.40 against 11.29 ms per sequence), `keep` without the replay."""
+    config = parse_config(["--job.config_file=train_configs/h200_qwen3_8b_slidedp.toml",
+                           "--training.local_batch_size=24", "--slidedp.activation=recompute",
+                           "--slidedp.keep_blocks=0", "--slidedp.window_slots=2"])
+    flavor, args = resolve_model(config)
+    rates = load_rates("h200")
+    kernels = kernels_for(config, rates)
+    seq = config.training.seq_len
+    recompute = BlockTiming(forward_s=3.76e-3, backward_s=7.53e-3, batch=8)
+    blocks = {timing_key("recompute", seq): recompute,
+              timing_key("selective", seq): replace(
+                  recompute, backward_s=recompute.backward_s * selective_vs_recompute
+                  + recompute.forward_s * (selective_vs_recompute - 1)),
+              timing_key("keep", seq): replace(recompute, backward_s=2 * recompute.forward_s)}
+    rates = rates.with_model(model_key(args, kernels), blocks, {})
+    return Model(config, args, flavor, kernels, 1, rates)
+
+
+def test_the_screen_keeps_a_candidate_within_its_tolerance_and_drops_a_dominated_one():
+    """`selective` keeps more bytes than `recompute`: 1% slower in the probe (its noise) it goes
+    on to the calibration, 10% slower it is dropped; `keep`, the fastest, always stays."""
+    candidates = [KEEP, SELECTIVE, RECOMPUTE]
+    close = qwen3_8b(selective_vs_recompute=1.01)
+    assert close.work.activation_bytes(SELECTIVE, 24) > close.work.activation_bytes(RECOMPUTE, 24)
+    assert screen(close, candidates) == candidates
+    assert screen(qwen3_8b(selective_vs_recompute=1.10), candidates) == [KEEP, RECOMPUTE]
+
+
+def calibrated_choice(model: Model, measured_gain_s: float):
+    """The program's choice after calibrating keep and selective against recompute, where the
+    steps measure each as the model predicts but selective (on every block) `measured_gain_s`
+    faster than that."""
+    setting, policies = setting_of(model.config), [RECOMPUTE] * model.args.n_layers
+    gpu_budget, host_budget = _budgets(model)
+    trials = []
+
+    def measure(trial, what):
+        trials.append((trial, what))
+        return model.step_s(setting, trial) - measured_gain_s * (SELECTIVE in trial)
+
+    shortlist = screen(model, [KEEP, SELECTIVE, *policies])
+    correction = calibrate(model, setting, policies, shortlist, ref=model.step_s(setting, policies),
+                           measure=measure, gpu_budget=gpu_budget, host_budget=host_budget)
+    options, choices, rebuild = build_program(model, [setting], shortlist,
+                                              block_correction=correction)
+    found = solve(options, choices, blocks=model.args.n_layers, ranks=1, gpu_budget=gpu_budget,
+                  host_budget=host_budget, rebuild_bytes=rebuild)
+    return correction, trials, found
+
+
+def test_a_measured_gain_the_model_does_not_predict_moves_the_choice():
+    """The probe has `selective` 1% slower than `recompute` with more bytes, so the model alone
+    recomputes what it does not keep; the steps measure selective on all 36 blocks 0.2 s faster
+    than the model: the calibration trusts that (the old one ignored a gain the model had the
+    other sign of) and the program takes selective."""
+    model = qwen3_8b(selective_vs_recompute=1.01)
+    L = model.args.n_layers
+    correction, trials, model_alone = calibrated_choice(model, 0.0)
+    assert correction["keep"] == pytest.approx(0.0) and correction["selective"] == pytest.approx(0.0)
+    assert "selective" not in model_alone.counts and model_alone.counts["recompute"] > L // 2
+    # Each candidate takes as many blocks as fit: keep a few, selective every one.
+    kept = sum(p == KEEP for p in trials[0][0])
+    assert 0 < kept < L and trials[0][1] == f"calibration: keep on {kept} blocks"
+    assert trials[1] == ([SELECTIVE] * L, f"calibration: selective on {L} blocks")
+    correction, _, found = calibrated_choice(model, 0.2)
+    assert correction["selective"] == pytest.approx(-0.2 / L)
+    assert found.counts == {"selective": L}  # keep on top of it does not fit
+    # The program reproduces the measurement it was calibrated on.
+    measured = model.step_s(setting_of(model.config), [SELECTIVE] * L) - 0.2
+    assert found.objective == pytest.approx(measured, rel=1e-3)
+    assert found.objective < model_alone.objective - 0.05
+
+
+def test_an_absurd_measurement_is_bounded_by_the_blocks_gpu_time():
+    model = qwen3_8b(selective_vs_recompute=1.01)
+    correction, _, _ = calibrated_choice(model, 1000.0)
+    assert correction["selective"] == pytest.approx(-model.block_gpu_s(SELECTIVE))
+
+
+def test_the_meter_drops_a_whole_update_cycle_at_first_then_the_first_step(monkeypatch):
+    """Step times 9, 7, 1 then 5, 2: the first measurement of two steps runs three and keeps
+    the third, the next runs two and keeps the second."""
+    clock = [0.0]
+    durations = [9.0, 7.0, 1.0, 5.0, 2.0]
+
+    class Backend:
+        def train_step(self, batches, *, lr, global_target_tokens):
+            assert lr == 0.0 and len(batches) == 1 and batches[0][0].shape == (2, 4)
+            clock[0] += durations.pop(0)
+
+    monkeypatch.setattr(autopolicy.time, "perf_counter", lambda: clock[0])
+    config = SimpleNamespace(training=SimpleNamespace(local_batch_size=2, seq_len=4,
+                                                      grad_accum_steps=1))
+    meter = _Meter(Backend(), config, SimpleNamespace(vocab_size=11), device=torch.device("cpu"),
+                   rank=0, world=1, steps=2)
+    assert meter() == 1.0 and meter.steps == 3
+    assert meter() == 2.0 and meter.steps == 5 and not durations
+
+
 # ---- live, on two CPU ranks ------------------------------------------------------------------------
 
 
@@ -117,6 +239,7 @@ def test_autopolicy_on_two_ranks_then_its_policy_file_trains_alike(tmp_path):
     assert policy.is_file(), output[-3000:]
     assert re.search(r"\[autopolicy\] chose .*; selection [\d.]+ s over \d+ steps", output)
     assert "[autopolicy] routes replicated/gpu" in output  # both delivery routes were measured
+    assert re.search(r"\[autopolicy\] calibration: \S+ on \d+ blocks", output)
     text = policy.read_text()
     assert text.startswith("# chosen by AutoPolicy on 2 x cpu") and "[slidedp]" in text
     loaded = run_torchrun(train_flags(tmp_path / "b", f"--slidedp.policy_file={policy}"),

@@ -3,20 +3,24 @@ chosen by the step-time model and by measuring.
 
 Live (`[slidedp] autopolicy = true`), on the run's own engine before training starts, in
 stages; every measurement is a few real steps on random tokens at the run's shapes with lr = 0
-(the weights stay as they were; the optimizer state is reset afterwards):
+(the weights stay as they were; the optimizer state is reset afterwards), the first after a
+change dropped (the first two of the first measurement: a whole update cycle):
   1. probe: this machine's rates and the candidates' block timings and bytes (cached);
   2. routes: every delivery x reduction the run can switch to (set_routes), measured;
   3. chunk: a smaller and a larger chunk than configured, measured, where the model sees the
      copies or collectives exposed for more than CHUNK_STAGE_EXPOSED of the step (else the
      chunk cannot move it and the stage is skipped);
-  4. screen: candidates dominated by another in device bytes, host bytes, GPU time and
-     offloaded bytes are dropped;
-  5. calibrate: each remaining candidate on CALIBRATION_BLOCKS blocks of the real pipeline,
-     measured against the configuration; the model's per-block cost is scaled to match;
+  4. screen: a candidate is dropped where another takes no more device and host bytes and a
+     block of it is faster on the GPU by more than SCREEN_TOLERANCE (closer ones are left to
+     the calibration: the probe cannot tell them apart);
+  5. calibrate: each remaining candidate on as many blocks of the real pipeline as the memory
+     budgets allow, measured against the configuration; what it measured beyond the model,
+     per block changed and whatever its sign, is the program's cost of a block under it;
   6. solve: the integer program of slidedp/plan/ilp.py over the slot counts and the candidates
      under the GPU and host memory budgets;
-  7. validate: the solution measured; if it is not faster than the best configuration measured
-     on the way, that one is kept.
+  7. validate: the solution measured; the fastest configuration measured on the way and the
+     given one are measured again, back to back with the same steps; the former is kept only
+     if VALIDATION_MARGIN faster.
 The choice is applied, written to <job.dump_folder>/slidedp_policy.toml (slidedp.policy_file
 loads it), and the selection time and the steps that amortize it are printed.
 
@@ -42,8 +46,7 @@ from slidedp.layout import StateLayout
 from slidedp.plan.ilp import Assignment, Choice, Option, solve
 from slidedp.plan.memory import estimate_device_memory
 from slidedp.plan.policy_file import parse_candidates, policy_settings, write_policy_file
-from slidedp.plan.predict import (plan_run, policies_of, state_plan, step_spec, with_policies,
-                                  with_slidedp)
+from slidedp.plan.predict import plan_run, policies_of, state_plan, step_spec, with_slidedp
 from slidedp.plan.probe import probe
 from slidedp.plan.rates import Rates
 from slidedp.plan.report import Job, format_memory, kernels_for
@@ -64,10 +67,13 @@ GPU_BUDGET_FRACTION = 0.9
 """Of the device's memory, what the program may fill (the estimate is within -2%..+23%)."""
 HOST_BUDGET_FRACTION = 0.9
 """Of the host's memory (MemAvailable when live), what the program may fill."""
-CALIBRATION_BLOCKS = 4
-"""Blocks a candidate takes in its calibration run."""
+SCREEN_TOLERANCE = 0.03
+"""How much faster a probed block must be (relatively) to drop a candidate: the probe's noise
+(a median of 3 repetitions, often at fewer sequences than the run's, that put two policies 1%
+apart which the pipeline measured 2% apart)."""
 MEASURED_STEPS = 3
-"""Steps per measurement; the first after a change is dropped, the median of the rest kept."""
+"""Steps per measurement; the first after a change is dropped (one more at the first
+measurement), the median of the rest kept."""
 CHUNK_STAGE_EXPOSED = 0.01
 """Share of the step the copies and collectives must leave the GPU idle for the chunk stage."""
 VALIDATION_MARGIN = 0.02
@@ -124,51 +130,75 @@ class Model:
     def step_s(self, setting: Setting, policies: list[ActivationPolicy]) -> float:
         return simulate_step(self.spec(setting, policies), self.rates).step_s
 
+    def fixed_bytes(self, setting: Setting) -> tuple[float, float]:
+        """Device and host bytes of `setting` without the blocks' activations: the program's
+        M_o and H_o."""
+        config = setting.apply(self.config)
+        gpu = estimate_device_memory(config, self.args, world=self.world, kernels=self.kernels,
+                                     block_bytes=lambda p: 0.0, rebuild_bytes=lambda p: 0.0)
+        return gpu.total, host_state_bytes(StateLayout(self.args, world=self.world),
+                                           state_plan(config))
+
+    def activation_bytes(self, policies: list[ActivationPolicy]) -> tuple[float, float]:
+        """Device bytes of the blocks' activations and of the largest rebuild, and host bytes
+        of the offloaded ones on every rank: the program's sum_p n_p g_p + z * rebuild and
+        ranks * sum_p n_p h_p."""
+        work, batch = self.work, self.config.training.local_batch_size
+        per = {p: work.activation_bytes(p, batch) for p in set(policies)}
+        rebuild = max((work.rebuilt_bytes(p, batch) for p in per if p != KEEP), default=0)
+        return (sum(per[p][0] for p in policies) + rebuild,
+                self.world * sum(per[p][1] for p in policies))
+
+    def block_gpu_s(self, policy: ActivationPolicy) -> float:
+        """GPU seconds a step of one block under `policy` (forward and backward, every
+        micro-batch)."""
+        tr = self.config.training
+        return sum(self.work.block(policy, tr.local_batch_size)) * tr.grad_accum_steps
+
 
 def screen(model: Model, candidates: list[ActivationPolicy]) -> list[ActivationPolicy]:
-    """The candidates no other candidate beats on every count: device bytes, host bytes, GPU
-    seconds of a block (forward + backward) and offloaded bytes."""
+    """The candidates no other beats: none takes no more device and host bytes while a block of
+    it (forward + backward) is faster on the GPU by more than SCREEN_TOLERANCE."""
     work, batch = model.work, model.config.training.local_batch_size
     score = {}
     for p in dict.fromkeys(candidates):
         gpu, host = work.activation_bytes(p, batch)
         score[p] = (gpu, host, sum(work.block(p, batch)))
-    return [p for p, s in score.items()
-            if not any(o != s and all(a <= b for a, b in zip(o, s)) for o in score.values())]
+
+    def beats(o: tuple, s: tuple) -> bool:
+        return o[0] <= s[0] and o[1] <= s[1] and o[2] < s[2] * (1 - SCREEN_TOLERANCE)
+
+    return [p for p, s in score.items() if not any(beats(o, s) for o in score.values())]
 
 
 def build_program(model: Model, settings: list[Setting], candidates: list[ActivationPolicy], *,
-                  gpu_scale: dict[str, float] | None = None, correction: float = 0.0
+                  step_correction: float = 0.0, block_correction: dict[str, float] | None = None
                   ) -> tuple[list[Option], list[Choice], float]:
     """The program's options (one per setting) and choices (one per candidate), and the bytes of
     a rebuilt block. Demands come from the model's step accounting: each option's with every
     block under recompute, each choice's as its difference from recompute per block (so the
-    demands add up exactly for any mix). `gpu_scale` scales a choice's GPU cost and `correction`
-    (measured less modelled step time) is added to every option's residual: the calibration."""
+    demands add up exactly for any mix). The calibration: `step_correction` (measured less
+    modelled step) is added to every option's residual, `block_correction[name]` (measured less
+    modelled, per block) is a choice's residual."""
     L, rates = model.args.n_layers, model.rates
     work, batch = model.work, model.config.training.local_batch_size
     ref = [RECOMPUTE] * L
     options = []
     for setting in settings:
-        spec = model.spec(setting, ref)
-        step = simulate_step(spec, rates)
-        config = setting.apply(model.config)
-        fixed = estimate_device_memory(config, model.args, world=model.world, kernels=model.kernels,
-                                       block_bytes=lambda p: 0.0, rebuild_bytes=lambda p: 0.0)
-        host = host_state_bytes(StateLayout(model.args, world=model.world), state_plan(config))
-        residual = step.step_s - step.bound_s + correction
+        step = simulate_step(model.spec(setting, ref), rates)
+        gpu, host = model.fixed_bytes(setting)
         options.append(Option(name=setting.describe(), settings=setting.__dict__,
-                              demand=dict(step.demand_s), residual=residual,
-                              gpu_bytes=fixed.total, host_bytes=host))
+                              demand=dict(step.demand_s),
+                              residual=step.step_s - step.bound_s + step_correction,
+                              gpu_bytes=gpu, host_bytes=host))
     reference = step_demands(model.spec(settings[0], ref), rates)
     choices = []
     for p in candidates:
         d = step_demands(model.spec(settings[0], [p] * L), rates)
-        demand = {r: (d[r] - reference[r]) / L for r in d}
-        demand["gpu compute"] *= (gpu_scale or {}).get(p.name, 1.0)
         gpu, host = work.activation_bytes(p, batch)
-        choices.append(Choice(name=p.name, demand=demand, gpu_bytes=gpu, host_bytes=host,
-                              rebuilds=p != KEEP))
+        choices.append(Choice(name=p.name, demand={r: (d[r] - reference[r]) / L for r in d},
+                              gpu_bytes=gpu, host_bytes=host, rebuilds=p != KEEP,
+                              residual=(block_correction or {}).get(p.name, 0.0)))
     # z * rebuild in the program: the most any candidate's block holds in backward (z = 1 as
     # soon as one rebuilds), so the program is never short of what the estimate counts.
     rebuild = max((work.rebuilt_bytes(p, batch) for p in candidates if p != KEEP), default=0)
@@ -267,18 +297,21 @@ class _Meter:
         return out
 
     def __call__(self) -> float:
-        """The median step time of a measurement's steps less the first; the slowest rank's."""
+        """The median step time of a measurement's steps less the first; the slowest rank's.
+        The first measurement runs and drops one step more: the engine's first step's host
+        updates run on in its second (deferred), faulting in the Adam moments' pages."""
         b, s = self.shape
+        dropped = 1 + (self.steps == 0)
         times = []
-        for _ in range(self.per_measurement):
+        for _ in range(self.per_measurement + dropped - 1):
             batches = self._batches()
             start = time.perf_counter()
             self.backend.train_step(batches, lr=0.0, global_target_tokens=b * s * self.micro * self.world)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             times.append(time.perf_counter() - start)
-        self.steps += self.per_measurement
-        value = torch.tensor([statistics.median(times[1:] or times)], dtype=torch.float64,
+        self.steps += len(times)
+        value = torch.tensor([statistics.median(times[dropped:] or times[-1:])], dtype=torch.float64,
                              device=self.device)
         if self.world > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -336,27 +369,21 @@ def select_live(backend, config, args: QwenArgs, *, flavor: str, device: torch.d
     else:
         say(f"[autopolicy] chunk: kept {setting.chunk_mib:g} MiB (the model has the copies "
             f"{copies:.3f} s exposed of {predicted.step_s:.3f} s: no chunk can move the step)")
-    # Screen, then calibrate each candidate on a few blocks of the real pipeline.
+    # Screen, then calibrate each candidate on the real pipeline.
     shortlist = screen(model, [*candidates, *policies])
-    k = min(CALIBRATION_BLOCKS, args.n_layers)
     gpu_budget, host_budget = _budgets(model, host_available=available_host_bytes()
                                        + host_state_bytes(backend.layout, backend.state.plan))
-    scale: dict[str, float] = {}
     ref = measured[setting, format_blocks(policies)]
-    for p in shortlist:
-        trial = [p] * k + policies[k:]
-        if trial == policies or not _fits(model, setting, trial, gpu_budget):
-            continue
-        t = measure(setting, trial, f"calibration: {p.name} on {k} blocks")
-        modelled = model.step_s(setting, trial) - model.step_s(setting, policies)
-        if abs(modelled) > 0.01 * ref and (t - ref) * modelled > 0:
-            scale[p.name] = min(4.0, max(0.25, (t - ref) / modelled))
+    block_correction = calibrate(model, setting, policies, shortlist, ref=ref,
+                                 measure=lambda trial, what: measure(setting, trial, what),
+                                 gpu_budget=gpu_budget, host_budget=host_budget)
     # Solve over the slot counts the run can switch to (the model's error on the measured
     # configuration corrects every option), then measure the solution.
     slots = sorted({max(2, setting.window_slots - 1), setting.window_slots, setting.window_slots + 1})
     settings = [replace(setting, window_slots=n) for n in slots]
-    options, choices, rebuild = build_program(model, settings, shortlist, gpu_scale=scale,
-                                              correction=ref - model.step_s(setting, policies))
+    options, choices, rebuild = build_program(
+        model, settings, shortlist, step_correction=ref - model.step_s(setting, policies),
+        block_correction=block_correction)
     found = solve(options, choices, blocks=args.n_layers, ranks=world, gpu_budget=gpu_budget,
                   host_budget=host_budget, rebuild_bytes=rebuild)
     if found is not None:
@@ -365,16 +392,19 @@ def select_live(backend, config, args: QwenArgs, *, flavor: str, device: torch.d
         if (chosen, format_blocks(chosen_policies)) not in measured:
             measure(chosen, chosen_policies, f"the program's choice ({chosen.describe()}; "
                                              f"{format_blocks(chosen_policies)})")
-    # The fastest configuration measured (calibration mixes are configurations too), measured
-    # again; it must beat the given one by VALIDATION_MARGIN, else the given one stays.
+    # The fastest configuration measured (calibration mixes are configurations too) and the
+    # given one, measured again back to back with the same steps (the baseline was the first
+    # measurement, under other conditions); it must beat the given one by VALIDATION_MARGIN,
+    # else the given one stays.
     (best, best_blocks), _ = min(measured.items(), key=lambda kv: kv[1])
     best_policies = _policies_from(best_blocks, args.n_layers)
-    given = (setting_of(config), format_blocks(policies))
+    given = setting_of(config)
     best_t = baseline
-    if (best, best_blocks) != given:
+    if (best, best_blocks) != (given, format_blocks(policies)):
+        baseline = measure(given, policies, f"validation of the configuration ({given.describe()})")
         best_t = measure(best, best_policies, f"validation of {best.describe()}; {best_blocks}")
         if best_t > baseline * (1 - VALIDATION_MARGIN):
-            best, best_policies, best_t = given[0], policies, baseline
+            best, best_policies, best_t = given, policies, baseline
             apply(best, best_policies)
     backend.reset_optimizer()
     elapsed = time.perf_counter() - start
@@ -400,14 +430,47 @@ def _fastest(measured: dict, policies: list[ActivationPolicy]) -> Setting:
     return min(((s, t) for (s, b), t in measured.items() if b == blocks), key=lambda st: st[1])[0]
 
 
-def _fits(model: Model, setting: Setting, policies: list[ActivationPolicy], budget: float) -> bool:
-    """The device estimate of `setting` with `policies` within `budget`."""
-    work, batch = model.work, model.config.training.local_batch_size
-    config = with_policies(setting.apply(model.config), policies)
-    tokens = batch * config.training.seq_len
-    est = estimate_device_memory(config, model.args, world=model.world, kernels=model.kernels,
-                                 block_bytes=lambda p: work.activation_bytes(p, batch)[0] / tokens)
-    return est.total <= budget
+def calibrate(model: Model, setting: Setting, policies: list[ActivationPolicy],
+              shortlist: list[ActivationPolicy], *, ref: float,
+              measure: Callable[[list[ActivationPolicy], str], float], gpu_budget: float,
+              host_budget: float) -> dict[str, float]:
+    """Stage 5: each candidate of `shortlist` on as many blocks as fit (`measure(trial, what)`:
+    the step time of `setting` with the per-block policies `trial`), against `ref`, the
+    measured step of `policies`; returns build_program's `block_correction`."""
+    modelled_ref = model.step_s(setting, policies)
+    correction = {}
+    for p in shortlist:
+        trial = _calibration_trial(model, setting, p, policies, gpu_budget=gpu_budget,
+                                   host_budget=host_budget)
+        changed = sum(a != b for a, b in zip(trial, policies))
+        if not changed:
+            continue
+        t = measure(trial, f"calibration: {p.name} on {changed} blocks")
+        # What the measurement says a block under p costs beyond what the model says, whatever
+        # the sign: the program then reproduces this measurement, as the step correction makes
+        # it reproduce the configuration's. Bounded by the block's GPU time only: the model
+        # cannot be off on one block by more than all its work (beyond that the steps caught
+        # something else, a first use or another process; validation measures again).
+        error = ((t - ref) - (model.step_s(setting, trial) - modelled_ref)) / changed
+        bound = model.block_gpu_s(p)
+        correction[p.name] = min(bound, max(-bound, error))
+    return correction
+
+
+def _calibration_trial(model: Model, setting: Setting, candidate: ActivationPolicy,
+                       policies: list[ActivationPolicy], *, gpu_budget: float,
+                       host_budget: float) -> list[ActivationPolicy]:
+    """`policies` with `candidate` on as many blocks from the first as fit the budgets by the
+    program's accounting (all of them where it fits): the more blocks change, the further the
+    measured difference stands out of the steps' noise and the less the program extrapolates
+    it (`policies` itself where not one block fits)."""
+    gpu, host = model.fixed_bytes(setting)
+    for k in range(len(policies), 0, -1):
+        trial = [candidate] * k + policies[k:]
+        g, h = model.activation_bytes(trial)
+        if gpu + g <= gpu_budget and host + h <= host_budget:
+            return trial
+    return policies
 
 
 def _policies_from(blocks: str, n: int) -> list[ActivationPolicy]:

@@ -5,9 +5,11 @@ The step is modelled by its service demands: each resource r needs D_o[r] second
 under option o with no per-block cost, and each block under policy p adds d_p[r] (its replay
 on the GPU, its offload over PCIe). The step takes at least the largest demand, and the
 schedule exposes `residual_o` more (the simulated step less its largest demand, calibrated on
-measured steps when AutoPolicy runs live). So, with y_o in {0, 1} and n_p >= 0 integers:
+measured steps when AutoPolicy runs live); a block under p adds `residual_p` besides its demands
+(0 from the model alone; live, what the calibration measured beyond the model, per block). So,
+with y_o in {0, 1} and n_p >= 0 integers:
 
-    minimize     T + sum_o y_o residual_o
+    minimize     T + sum_o y_o residual_o + sum_p n_p residual_p
     subject to   T >= sum_o y_o D_o[r] + sum_p n_p d_p[r]          for every resource r
                  sum_o y_o = 1,  sum_p n_p = blocks
                  sum_o y_o M_o + sum_p n_p g_p + z * rebuild <= GPU budget
@@ -55,6 +57,8 @@ class Choice(Costs):
 
     rebuilds: bool
     """Backward rebuilds the block (every policy but keep)."""
+    residual: float = 0.0
+    """Seconds one block adds to the step beyond its demands (live: measured less modelled)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,8 @@ def objective(option: Option, counts: dict[str, int], choices: dict[str, Choice]
     step = max(option.demand.get(r, 0.0) + sum(n * choices[p].demand.get(r, 0.0)
                                                for p, n in counts.items()) for r in resources)
     gpu = option.gpu_bytes + sum(n * choices[p].gpu_bytes for p, n in counts.items())
-    return step + option.residual + TIE_BREAK_S_PER_GIB * gpu / 2**30
+    residual = option.residual + sum(n * choices[p].residual for p, n in counts.items())
+    return step + residual + TIE_BREAK_S_PER_GIB * gpu / 2**30
 
 
 def feasible(option: Option, counts: dict[str, int], choices: dict[str, Choice], *, ranks: int,
@@ -108,7 +113,8 @@ def solve(options: list[Option], choices: list[Choice], *, blocks: int, ranks: i
     g = 2.0**30
     prob += (t + pulp.lpSum(yo * (o.residual + TIE_BREAK_S_PER_GIB * o.gpu_bytes / g)
                             for yo, o in zip(y, options))
-             + pulp.lpSum(n[c.name] * TIE_BREAK_S_PER_GIB * c.gpu_bytes / g for c in choices))
+             + pulp.lpSum(n[c.name] * (c.residual + TIE_BREAK_S_PER_GIB * c.gpu_bytes / g)
+                          for c in choices))
     prob += pulp.lpSum(y) == 1
     prob += pulp.lpSum(n.values()) == blocks
     resources = sorted({r for o in options for r in o.demand} | {r for c in choices for r in c.demand})
