@@ -45,6 +45,21 @@ def test_script_end_to_end(name, tmp_path):
     assert f"**Paper:** {module.PAPER}" in md
     png = (tmp_path / f"{name}.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+    if name != "cpu_adam_scaling":  # it times the CPU itself: no bench rows to read back
+        _same_from_recorded_rows(name, flags, tmp_path)
+
+
+def _same_from_recorded_rows(name: str, flags: list[str], run_dir) -> None:
+    """--rows makes the same table from the rows the run recorded, launching nothing."""
+    recorded, again = run_dir / "recorded.jsonl", run_dir / "again"
+    (run_dir / "runs.jsonl").rename(recorded)
+    proc = subprocess.run([sys.executable, "-m", f"recipes.reproduce.{name}", "--tiny",
+                           "--out-dir", str(again), "--rows", str(recorded), *flags], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " x1: " not in proc.stdout and " x2: " not in proc.stdout  # no launch line
+    assert (again / f"{name}.csv").read_text() == (run_dir / f"{name}.csv").read_text()
+    assert "Rows recorded before" in (again / f"{name}.md").read_text()
 
 
 def test_head_to_head_ratios_and_geometric_mean():

@@ -241,11 +241,15 @@ for stage in "$@"; do
     offload8b) run --mode fsdp2 --fsdp-cpu-offload --ac full --batches 4,16 --kernels liger --flavor qwen3-8B ;;
     # DeepSpeed ZeRO-Offload (recipes/baselines/zero_offload.py). The GPU machine has no network:
     # carry the wheels in DS_WHEELS (made outside the repository: pip wheel deepspeed==0.19.8 -w DIR gives
-    # deepspeed-0.19.8-py3-none-any.whl, 2.2 MB, with hjson, msgpack, ninja, psutil, py-cpuinfo, pydantic,
-    # einops, tqdm where the GPU image lacks them). The first engine JIT-compiles
-    # DeepSpeedCPUAdam with ninja and the host compiler (minutes; cached in ~/.cache/torch_extensions).
-    dsinstall) pip install -q --no-index --find-links "${DS_WHEELS:?set DS_WHEELS to the wheel folder}" \
-                 deepspeed==0.19.8 && python3 -c 'import deepspeed; print(deepspeed.__version__)' ;;
+    # deepspeed-0.19.8-py3-none-any.whl, 2.2 MB, with hjson and pydantic's wheels where the GPU image lacks
+    # them). They go in without dependency resolution into DS_TARGET, put on PYTHONPATH for the later
+    # stages (with resolution, call 12's install failed: no einops in the wheel folder, and the
+    # image's was not taken). The first engine JIT-compiles DeepSpeedCPUAdam with ninja and the host compiler (cached in
+    # ~/.cache/torch_extensions).
+    dsinstall) python3 -m pip install -q --no-index --no-deps --no-compile --target "${DS_TARGET:=/tmp/ds-site}" \
+                 "${DS_WHEELS:?set DS_WHEELS to the wheel folder}"/*.whl || exit 1
+               export PYTHONPATH="$DS_TARGET:$PYTHONPATH"
+               python3 -c 'import deepspeed; print("deepspeed", deepspeed.__version__)' || exit 1 ;;
     # The issue's target: SlideDP >= 2.0x ZeRO-Offload as a geometric mean over 1..16 sequences
     # (reproduce-head_to_head measures both sides in one go).
     zero4b) run --mode deepspeed --zero-stage 2 --ac full --batches 1,2,4,8,16 --kernels liger --flavor qwen3-4B

@@ -5,7 +5,10 @@ recipes/bench/throughput.py (which times every point and writes its JSONL rows),
 Every script runs on however many GPUs it finds (torchrun, one rank per GPU; `--nproc` to use
 fewer) and, without GPUs, on the CPU with `--tiny` (qwen3-debug, short sequences: the CPU tests
 run each script end to end that way). A point that fails (out of memory, say) is reported with
-the tail of its output and the run goes on; the points measured before it are kept.
+the tail of its output and the run goes on; the points measured before it are kept. With
+`--rows FILE ...` nothing is launched: the table and plot are made from rows recorded before
+(e.g. one lease's rows spread over two calls), each launch's rows found by its label, batches,
+length and rank count.
 """
 
 import argparse
@@ -63,9 +66,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
 """The systems an experiment can name (--systems); DeepSpeed needs the deepspeed package."""
 
 
-def parser(doc: str, *, systems: str = "", batches: bool = False) -> argparse.ArgumentParser:
+def parser(doc: str, *, systems: str = "", batches: bool = False,
+           recorded: bool = True) -> argparse.ArgumentParser:
     """The flags every experiment takes, --systems (helped by `systems`) and --batches where
-    asked for; each adds its own. Unset ones take the experiment's defaults (GPU) or, with
+    asked for, --rows unless it measures without the bench (`recorded` false); each adds its own. Unset ones take the experiment's defaults (GPU) or, with
     --tiny, its CPU-sized ones (`start`)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if systems:
@@ -85,6 +89,9 @@ def parser(doc: str, *, systems: str = "", batches: bool = False) -> argparse.Ar
     p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     p.add_argument("--tiny", action="store_true",
                    help="CPU-sized run (qwen3-debug, short sequences): what the tests run")
+    if recorded:
+        p.add_argument("--rows", nargs="+", default=[],
+                       help="launch nothing: the rows of these runs.jsonl files (recorded before)")
     return p
 
 
@@ -93,6 +100,10 @@ def start(args: argparse.Namespace, experiment: str, *, gpu: dict[str, Any],
     """The unset flags filled from the experiment's defaults (GPU-sized, or --tiny), matplotlib
     checked, and the experiment's Runner."""
     _resolve(args, gpu=gpu, tiny=tiny)
+    args.rows = getattr(args, "rows", [])
+    missing = [p for p in args.rows if not Path(p).is_file()]
+    if missing:
+        raise SystemExit(f"error: --rows: no file {missing[0]}")
     require_matplotlib()
     return Runner(args, experiment=experiment)
 
@@ -186,6 +197,8 @@ class Runner:
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc_per_node={nproc}", *bench]
+        if self.args.rows:
+            return self._recorded(flags, nproc=nproc, label=label)
         before = self._rows_written()
         self.launches += 1
         print(f"[{self.experiment}] {label or ''} x{nproc}: {shlex.join(flags)}", flush=True)
@@ -214,10 +227,27 @@ class Runner:
                 rows.append({**row, "system": system.name, "family": system.family})
         return rows
 
+    def _recorded(self, flags: Sequence[str], *, nproc: int, label: str) -> list[dict]:
+        """The recorded rows (--rows) that this launch would have written, copied to this run's
+        runs.jsonl: its label, rank count, and the batches and length its flags name."""
+        flag = dict(zip(flags, flags[1:]))
+        batches = {int(b) for b in flag["--batches"].split(",")} if "--batches" in flag else None
+        seq = int(flag.get("--seq", self.args.seq))
+        rows = [r for path in self.args.rows for r in _read_rows(Path(path))
+                if r.get("label") == label and r.get("world") == nproc and r.get("seq") == seq
+                and (batches is None or r.get("local_batch") in batches)]
+        with open(self.jsonl, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        return rows
+
     def _rows_written(self) -> list[dict]:
-        if not self.jsonl.exists():
-            return []
-        return [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
+        return _read_rows(self.jsonl)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @dataclass(frozen=True)
@@ -294,7 +324,9 @@ def write_outputs(runner: Runner, rows: list[dict], columns: Sequence[Column], *
     plt.close(figure)
     command = shlex.join(["python", "-m", f"recipes.reproduce.{name}", *sys.argv[1:]])
     raw = " Raw rows: runs.jsonl." if runner.jsonl.exists() else ""
-    md = [f"# {title}", "", f"Machine: {machine()}. Command: `{command}`.{raw}",
+    where = (f"Rows recorded before, read from {', '.join(runner.args.rows)} (rendered on "
+             f"{machine()})" if runner.args.rows else f"Machine: {machine()}")
+    md = [f"# {title}", "", f"{where}. Command: `{command}`.{raw}",
           "", markdown_table(rows, columns), "", f"**Paper:** {paper}"]
     if notes:
         md += ["", notes]

@@ -41,7 +41,7 @@ def plot(plt, rows: list[dict]):
 
 
 def main() -> None:
-    p = parser(__doc__)
+    p = parser(__doc__, recorded=False)  # it times the CPU itself, not through the bench
     p.add_argument("--params", type=float, help="parameters per update")
     p.add_argument("--threads", help="thread counts")
     p.add_argument("--stream-elements", type=int, help="triad elements per array "
