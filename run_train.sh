@@ -23,6 +23,10 @@ NGPU=$(( 10#$NGPU ))
 # NVLink multicast (NVLS) stays off in NCCL, torch symmetric memory and NVSHMEM: on the shared
 # H200 hosts a program that uses it can take the GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The caching allocator grows segments in place instead of leaving fragments. Long sequences run
+# near the card's limit (262,144 tokens of Qwen3-8B: 121 GiB allocated at peak on one H200), and
+# torchtitan's run_train.sh sets the same default.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 # torchrun forces OMP_NUM_THREADS=1 when it is unset; CPU-side work (the SlideDP optimizer, CPU
 # runs) wants this rank's share of the cores instead.
 if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
