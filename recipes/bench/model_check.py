@@ -12,9 +12,11 @@ rows before anything is measured: the bench's point syntax, one row per point wi
 of the bench's rows and `predicted_s`, and the rates file it used. `compare` joins them with
 the measured rows; rows nobody predicted beforehand (AutoPolicy's choice) are predicted then,
 from the rates of the same model and marked so, and each model's AutoPolicy row is set beside
-the best hand-picked row at its batch. SlideDP rows are simulated; compute-reference rows are
-the model's GPU work alone; other modes are skipped. Each prints a markdown table and the error
-summary; with `--within`, exits 1 unless every row compared is within that relative error.
+the best hand-picked row at its batch. SlideDP rows are simulated (the SlideFormer-style runtime
+with its own schedule, `--runtime slideformer`); compute-reference rows are the model's GPU work
+alone; other modes and the MegaTrain-style runtime (the model has no schedule for it) are
+skipped. Each prints a markdown table and the error summary; with `--within`, exits 1 unless
+every row compared is within that relative error.
 """
 
 import argparse
@@ -23,14 +25,17 @@ import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import get_args
 
 from recipes.bench.rows import emit
 from recipes.bench.throughput import point_specs, system_name
 from recipes.config import JobConfig, resolve_model
 from slidedp.activations import KEEP, RECOMPUTE
+from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.predict import plan_run
 from slidedp.plan.rates import Rates, load_rates, timing_key
 from slidedp.plan.report import kernels_for
+from slidedp.plan.steptime import Schedule
 from slidedp.plan.workload import Workload
 
 SUPERSEDED = {
@@ -49,11 +54,11 @@ ARTIFACTS = {
                                           "timed steps (docs/PERFORMANCE.md: the 7,525 figure)",
 }
 """Recorded rows a bench artifact spoiled: (file, label, local batch, accum) -> why."""
-KEY = ("mode", "flavor", "kernels", "route", "ac", "activation_blocks", "keep_blocks", "slots",
-       "chunk_mib", "world", "seq", "local_batch", "accum", "max_norm", "nonfinite")
+KEY = ("mode", "runtime", "flavor", "kernels", "route", "ac", "activation_blocks", "keep_blocks",
+       "slots", "chunk_mib", "world", "seq", "local_batch", "accum", "max_norm", "nonfinite")
 """What identifies a point in the predicted and the measured rows alike."""
-DEFAULTS = {"activation_blocks": "", "keep_blocks": 0, "slots": 3, "chunk_mib": 32.0, "accum": 1,
-            "max_norm": 0.0, "nonfinite": "off"}
+DEFAULTS = {"runtime": "slidedp", "activation_blocks": "", "keep_blocks": 0, "slots": 3,
+            "chunk_mib": 32.0, "accum": 1, "max_norm": 0.0, "nonfinite": "off"}
 """For rows from before the bench recorded a key: its defaults, and max_norm 0 as every SlideDP
 stage of h200.sh ran then (the non-finite guard did not exist)."""
 
@@ -61,6 +66,13 @@ stage of h200.sh ran then (the non-finite guard did not exist)."""
 def _get(row: dict, key: str):
     value = row.get(key)
     return DEFAULTS.get(key) if value is None else value
+
+
+def modelled(row: dict) -> bool:
+    """Whether the model predicts `row`: the compute reference, or SlideDP under a runtime style
+    it has a schedule for."""
+    return row["mode"] == "reference" or (row["mode"] == "slidedp"
+                                          and _get(row, "runtime") in get_args(Schedule))
 
 
 def config_of(row: dict) -> JobConfig:
@@ -79,6 +91,7 @@ def config_of(row: dict) -> JobConfig:
     cfg.activation_checkpoint.mode = "none" if slidedp else row["ac"]
     if slidedp:
         s = cfg.slidedp
+        s.runtime = _get(row, "runtime")
         s.delivery, s.reduction = row["route"].split("/")
         s.activation, s.keep_blocks = row["ac"], _get(row, "keep_blocks")
         s.activation_blocks = _get(row, "activation_blocks")
@@ -96,7 +109,8 @@ def predict(row: dict, rates: Rates) -> dict:
         work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=cfg.training.seq_len)
         seconds = work.micro_batch([policy] * args.n_layers, cfg.training.local_batch_size).total
         return {"predicted_s": seconds, "regime": "compute", "why": "GPU work alone"}
-    step = plan_run(cfg, args, flavor=flavor, kernels=kernels, world=row["world"], rates=rates).step
+    step = plan_run(cfg, args, flavor=flavor, kernels=kernels, world=row["world"], rates=rates,
+                    schedule=cfg.slidedp.runtime).step
     return {"predicted_s": step.step_s, "regime": step.regime, "why": step.why}
 
 
@@ -149,7 +163,7 @@ def check(paths: list[str], rates: Rates) -> tuple[list[str], list[float], list[
     runtime, and those of the superseded or spoiled ones."""
     lines, current, old = list(HEADER), [], []
     for source, row in _rows(paths):
-        if row["mode"] not in ("slidedp", "reference"):
+        if not modelled(row):
             continue
         predicted = predict(row, rates)
         note = _why_not_current(source, row)
@@ -182,20 +196,24 @@ def with_attention(rates: Rates, paths: list[str], *, attention: str) -> Rates:
 
 def prediction_rows(rates_path: str, *, flavor: str, seq: int, points: list[str], world: int,
                     route: str, kernels: str, slots: int, chunk_mib: float, max_norm: float,
-                    nonfinite: str, attention_rows: list[str] = (),
-                    attention: str = "auto") -> list[dict]:
-    """One row per point of the bench's syntax (POLICY[|BLOCKS]:B1,B2), keyed as the bench keys
-    its; with `attention_rows`, the attention rate measured there (`with_attention`)."""
+                    nonfinite: str, accum: int = 1, runtime: str = "slidedp",
+                    attention_rows: list[str] = (), attention: str = "auto") -> list[dict]:
+    """One row per point of the bench's syntax (POLICY[|BLOCKS]:B1,B2; B sequences per GPU, split
+    into `accum` micro-batches), keyed as the bench keys its; with `attention_rows`, the
+    attention rate measured there (`with_attention`). A peer runtime style runs its own routes,
+    as the bench records them."""
+    style_routes = RUNTIME_STYLES[runtime].routes
+    route = "/".join(style_routes) if style_routes else route
     rates = load_rates(rates_path)
     if attention_rows:
         rates = with_attention(rates, list(attention_rows), attention=attention)
     rows = []
     for policy, blocks, batches in point_specs(points):
         for batch in batches:
-            row = {"mode": "slidedp", "label": "", "flavor": flavor, "kernels": kernels,
-                   "route": route, "ac": policy, "activation_blocks": blocks, "keep_blocks": 0,
-                   "slots": slots, "chunk_mib": chunk_mib, "world": world, "seq": seq,
-                   "local_batch": int(batch), "accum": 1, "max_norm": max_norm,
+            row = {"mode": "slidedp", "runtime": runtime, "label": "", "flavor": flavor,
+                   "kernels": kernels, "route": route, "ac": policy, "activation_blocks": blocks,
+                   "keep_blocks": 0, "slots": slots, "chunk_mib": chunk_mib, "world": world,
+                   "seq": seq, "local_batch": int(batch), "accum": accum, "max_norm": max_norm,
                    "nonfinite": nonfinite, "rates": rates_path,
                    "attention_tflops": rates.attention(flavor, seq)}
             if kernels == "auto":
@@ -214,7 +232,7 @@ def compare(predicted_path: str, measured_paths: list[str]) -> tuple[list[str], 
     rates_of = {(r["flavor"], r["seq"]): r["rates"] for r in predictions.values()}
     lines, errors, measured = list(HEADER), [], []
     for source, row in _rows(measured_paths):
-        if row["mode"] != "slidedp":
+        if row["mode"] != "slidedp" or not modelled(row):
             continue
         measured.append(row)
         before = predictions.get(_key(row))
@@ -262,6 +280,10 @@ def main() -> int:
     w.add_argument("--points", nargs="+", required=True, help="POLICY[|BLOCKS]:B1,B2 as the bench takes them")
     w.add_argument("--world", type=int, default=1)
     w.add_argument("--route", default="sharded/gpu")
+    w.add_argument("--runtime", default="slidedp", choices=get_args(Schedule),
+                   help="as the bench's --runtime (a peer style's routes replace --route)")
+    w.add_argument("--accum", type=int, default=1,
+                   help="micro-batches each point's sequences per GPU are split into")
     w.add_argument("--kernels", default="auto", help="as the bench's --kernels")
     w.add_argument("--slots", type=int, default=3)
     w.add_argument("--chunk-mib", type=float, default=32.0)
@@ -282,7 +304,8 @@ def main() -> int:
         for row in prediction_rows(a.rates, flavor=a.flavor, seq=a.seq, points=a.points,
                                    world=a.world, route=a.route, kernels=a.kernels, slots=a.slots,
                                    chunk_mib=a.chunk_mib, max_norm=a.max_norm,
-                                   nonfinite=a.nonfinite, attention_rows=a.attention_rows,
+                                   nonfinite=a.nonfinite, accum=a.accum, runtime=a.runtime,
+                                   attention_rows=a.attention_rows,
                                    attention=a.attention):
             emit("predicted", row, a.out)
         return 0

@@ -9,6 +9,7 @@ from models.args import QwenArgs
 from slidedp.activations import ActivationPolicy, block_policies
 from slidedp.host_state import HostStatePlan, host_state_regions
 from slidedp.layout import StateLayout, chunk_elems
+from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.memory import MemoryEstimate, estimate_device_memory
 from slidedp.plan.policy_file import activation_keys
 from slidedp.plan.rates import Rates
@@ -54,8 +55,10 @@ def threads_per_rank(config, rates: Rates, world: int) -> int:
 def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
               policies: list[ActivationPolicy] | None = None,
               schedule: Schedule = "slidedp") -> StepSpec:
-    """The step the model simulates for `config` on `world` ranks of the machine of `rates`."""
-    tr, s = config.training, config.slidedp
+    """The step the model simulates for `config` on `world` ranks of the machine of `rates`: with
+    the routes and shadow of its runtime style, as the engine runs them."""
+    tr = config.training
+    s = RUNTIME_STYLES[config.slidedp.runtime].configure(config.slidedp)
     policies = list(policies or policies_of(config, args))
     work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=tr.seq_len)
     batch = tr.local_batch_size

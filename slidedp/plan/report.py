@@ -3,12 +3,14 @@
 The command line that prints it is recipes/plan.py (`python -m recipes.plan CONFIG`)."""
 
 from dataclasses import dataclass
+from typing import get_args
 
 from models.args import QwenArgs
 from slidedp.activations import KEEP, RECOMPUTE, format_blocks
 from slidedp.plan.memory import REFUSE_ABOVE, estimate_device_memory
 from slidedp.plan.predict import RunPlan, plan_run
 from slidedp.plan.rates import Rates
+from slidedp.plan.steptime import Schedule
 from slidedp.plan.workload import Workload
 
 GiB = 2**30
@@ -100,11 +102,18 @@ def plan_text(job: Job, rates: Rates, *, world: int) -> list[str]:
     config = job.config
     if config.parallelism.mode != "slidedp":
         return _resident_mode_text(job, rates, world=world, kernels=kernels)
-    plan = plan_run(config, job.args, flavor=job.flavor, kernels=kernels, world=world, rates=rates)
+    # A peer runtime style (slidedp.runtime) is simulated with its own schedule where the model
+    # has one; its routes and host regions come from the style either way.
+    runtime = config.slidedp.runtime
+    modelled = runtime in get_args(Schedule)
+    plan = plan_run(config, job.args, flavor=job.flavor, kernels=kernels, world=world, rates=rates,
+                    schedule=runtime if modelled else "slidedp")
+    caveat = [] if modelled else [f"step: simulated with SlideDP's own schedule (the model has "
+                                  f"none for the {runtime} runtime)"]
     return [f"plan of {describe_run(job, world=world, kernels=kernels)}",
             f"on {describe_rates(rates)}",
             f"activations: {format_blocks(list(plan.policies))}",
-            *format_memory(plan, rates), *format_step(plan)]
+            *format_memory(plan, rates), *caveat, *format_step(plan)]
 
 
 def _resident_mode_text(job: Job, rates: Rates, *, world: int, kernels: str) -> list[str]:
