@@ -229,12 +229,15 @@ class Runner:
 
     def _recorded(self, flags: Sequence[str], *, nproc: int, label: str) -> list[dict]:
         """The recorded rows (--rows) that this launch would have written, copied to this run's
-        runs.jsonl: its label, rank count, and the batches and length its flags name."""
+        runs.jsonl: its label, rank count, and the model, batches and length its flags name (one
+        file may hold several models' rows under the same labels)."""
         flag = dict(zip(flags, flags[1:]))
         batches = {int(b) for b in flag["--batches"].split(",")} if "--batches" in flag else None
         seq = int(flag.get("--seq", self.args.seq))
+        flavor = flag.get("--flavor", self.args.flavor)
         rows = [r for path in self.args.rows for r in _read_rows(Path(path))
                 if r.get("label") == label and r.get("world") == nproc and r.get("seq") == seq
+                and r.get("flavor") == flavor
                 and (batches is None or r.get("local_batch") in batches)]
         with open(self.jsonl, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
