@@ -13,14 +13,18 @@
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
+#         issue 14, 2-8 GPUs of one host (one device call per machine kind, below): multi8b multi14b
+#         strong14b weak32b routes14b routes14b8 million castcopy, then compare (the predictions beside
+#         the rows)
 #         (each appends to OUT_DIR/runs.jsonl; traces go to OUT_DIR).
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-export OMP_NUM_THREADS=$(( $(nproc) / ngpu ))
+# NGPU (default: every GPU found): the ranks; set, it checks a stage's launches on the CPU (BENCH_FLAGS).
+ngpu=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+export OMP_NUM_THREADS=$(( $(nproc) > ngpu ? $(nproc) / ngpu : 1 ))
 bench=(torchrun --standalone --nproc_per_node="$ngpu" -m recipes.bench.throughput --out "$out/runs.jsonl")
 run() { "${bench[@]}" "$@"; }
 # largest SECONDS "B1 B2 ..." ARGS...: the first of the batch sizes that runs (an out-of-memory rank
@@ -69,16 +73,16 @@ print(max((r for r in rows if "tflops" in r), key=lambda r: r["tflops"])["backen
 # short keeps the rows it emitted.
 PLAN_SECONDS=${PLAN_SECONDS:-560}
 SEG5="segments(qkv+attention_core+o_proj+mlp_up+down_proj)"
-within() {  # within SECONDS CMD...: CMD under min(SECONDS, what is left of the stage)
-  local limit=$1 left=$(( plan_end - SECONDS )); shift
-  if (( left < 10 )); then echo "plan: out of time, skipped: $*"; return 1; fi
+within() {  # within SECONDS CMD...: CMD under min(SECONDS, what is left before stage_end)
+  local limit=$1 left=$(( stage_end - SECONDS )); shift
+  if (( left < 10 )); then echo "out of time, skipped: $*"; return 1; fi
   timeout $(( limit < left ? limit : left )) "$@"
 }
 plan_measure() {  # plan_measure SECONDS BENCH-ARGS...
   within "$1" "${bench[@]}" --kernels liger --no-memory-check --warmup 1 --steps 2 "${@:2}"
 }
 plan_stage() {
-  plan_end=$(( SECONDS + PLAN_SECONDS ))
+  stage_end=$(( SECONDS + PLAN_SECONDS ))
   local auto=(--autopolicy-steps 2)
   plan_measure 300 --mode slidedp --flavor qwen3-8B --max-norm 1.0 --points "selective|0-8:keep:16" \
     "selective|0-3:keep:24" keep:2 "${auto[@]}" --autopolicy 24 --autopolicy-candidates "keep, selective"
@@ -87,6 +91,124 @@ plan_stage() {
   plan_measure 60 --mode fsdp2 --flavor qwen3-4B --max-norm 0 --ac selective --batches 8
   plan_measure 50 --mode reference --flavor qwen3-4B --max-norm 0 --ac none --batches 8
   python3 -m recipes.bench.model_check compare "${PLAN_PREDICTED:?the predictions file}" "$out/runs.jsonl"
+}
+# Issue 14: 2, 4 and 8 H200s of one host (nvidia-h200-x2, -x4, -x8), one device call of about 9
+# minutes per machine kind (docs/results/issue14_plan.md has each call and its predictions,
+# docs/results/h200x{2,4,8}_issue14_predicted.jsonl, written before it). Every sub-run of these
+# stages has its own time limit, cut to what is left of one deadline shared by the call
+# (MULTI_SECONDS from the first of them), so the stages named first get the time; a run cut
+# short keeps the rows it emitted, a later one is skipped with a line. A stage runs on the GPU
+# counts it names (ranks on GPUs 0..n-1), skipping those this machine lacks. The scaling and
+# route rows carry recipes/reproduce's system names as labels, so its scripts make the paper's
+# tables from them afterwards (--rows). The durations quoted are PREDICTED: the model's step
+# times, ~20 s to launch, a build of ~0.5 s per GiB of host state per rank (as on the 2xH200).
+# BENCH_FLAGS is appended to every launch (later flags win), to check a stage on the CPU:
+#   NGPU=2 BENCH_FLAGS="--kernels torch --flavor qwen3-debug --seq 64 --warmup 0 --steps 1" \
+#     bash recipes/bench/h200.sh OUT multi8b
+MULTI_SECONDS=${MULTI_SECONDS:-550}
+multi_deadline() { : "${multi_end:=$(( SECONDS + MULTI_SECONDS ))}"; stage_end=$multi_end; }
+on_gpus() {  # on_gpus N SECONDS BENCH-ARGS...: the bench on N ranks, under `within SECONDS`
+  local n=$1 limit=$2; shift 2
+  if (( n > ngpu )); then echo "skipped, needs $n GPUs: $*"; return 1; fi
+  # shellcheck disable=SC2086  # BENCH_FLAGS is a list of flags
+  within "$limit" "${bench[@]/#--nproc_per_node=*/--nproc_per_node=$n}" --kernels liger "$@" ${BENCH_FLAGS:-}
+}
+# multi8b, item 1 on 2 GPUs (about 440-490 s): Qwen3-8B, seq 4096, clipping at 1.0 as FSDP2 runs
+# it. FSDP2 over its checkpointing at the batches its memory estimate allows (the last of each
+# may run out of memory, which ends that launch), then SlideDP in one build: the best
+# hand-picked mixes of the one-H200 runs at 16 and 24 (predicted 6.58 and 10.04 s) and
+# AutoPolicy at 16 over keep, selective and the offloaded op-level save the offline search
+# picks (about 150-200 s of selection). `compare` sets every row against FSDP2's peak (the
+# target: SlideDP >= 1.25x).
+multi8b() {
+  multi_deadline
+  on_gpus 2 60 --mode fsdp2 --flavor qwen3-8B --ac none --batches 1,2,3,4
+  on_gpus 2 70 --mode fsdp2 --flavor qwen3-8B --ac selective --batches 2,4,6,8
+  on_gpus 2 110 --mode fsdp2 --flavor qwen3-8B --ac full --batches 16,32
+  on_gpus 2 330 --mode slidedp --flavor qwen3-8B --no-memory-check --warmup 0 \
+    --points "selective|0-8:keep:16" "selective|0-3:keep:24" --autopolicy 16 --autopolicy-steps 2 \
+    --autopolicy-candidates "keep, selective, ops(matmul+attention)@offload=1.0"
+}
+# multi14b, item 1's Qwen3-14B on 2 GPUs (about 240 s): SlideDP's hand-picked mix at 16
+# (predicted 12.31 s), then FSDP2 at its measured peak (full, 8) and beyond, selective, none.
+multi14b() {
+  multi_deadline
+  on_gpus 2 150 --mode slidedp --flavor qwen3-14B --no-memory-check --warmup 0 \
+    --points "selective|0-2:keep:16"
+  on_gpus 2 90 --mode fsdp2 --flavor qwen3-14B --ac full --batches 8,12
+  on_gpus 2 60 --mode fsdp2 --flavor qwen3-14B --ac selective --batches 1,2,3
+  on_gpus 2 45 --mode fsdp2 --flavor qwen3-14B --ac none --batches 1
+}
+# strong14b, item 3: Qwen3-14B at a global batch of 256 sequences of 512 tokens (the length our
+# predictions of the paper assume, docs/RESULTS.md section 2: at 4,096 its 29.6 s on 4 A800s
+# would need 3x their peak), no clipping, full recompute, on STRONG_GPUS (the paper's 8 and 4):
+# per count SlideDP, the SlideFormer-style runtime and the compute reference (reproduce/scaling's
+# systems). 128 x 512 tokens per GPU fit without accumulation even on 2 GPUs. About 145 s on 8
+# GPUs (predicted steps 3.07 / 6.90 / 2.95 s), 185 s on 4 (6.01 / 6.20 / 5.89 s), 280 s on 2.
+strong14b() {
+  multi_deadline
+  local n common
+  for n in ${STRONG_GPUS:-8 4}; do
+    common=(--flavor qwen3-14B --seq 512 --max-norm 0 --batches $(( 256 / n )))
+    on_gpus "$n" 120 --mode slidedp --activation recompute --no-memory-check --warmup 0 \
+      --label slidedp-recompute "${common[@]}"
+    on_gpus "$n" 130 --mode slidedp --runtime slideformer --activation recompute --no-memory-check \
+      --warmup 0 --label slideformer-recompute "${common[@]}"
+    on_gpus "$n" 60 --mode reference --ac full --label reference-full "${common[@]}"
+  done
+}
+# weak32b, items 4 and 6 (Qwen3-32B on 8): 64 sequences of 512 tokens per GPU on WEAK_GPUS,
+# no clipping, full recompute (predicted 13.70-13.72 s per step on 8, 4 and 2). Its 427 GiB
+# of host state is checked at start (no --no-memory-check), so the x2's 251 GiB refuses in one
+# line. 64 x 4,096 tokens per GPU would need accumulation, whose FP32 buffer makes the host
+# state 549 GiB: more than the x8's. About 90 s on 8 GPUs, 120 s on 4, 175 s on 2 (the build).
+weak32b() {
+  multi_deadline
+  local n
+  for n in ${WEAK_GPUS:-8 4 2}; do
+    on_gpus "$n" 200 --mode slidedp --activation recompute --flavor qwen3-32B --seq 512 \
+      --batches 64 --max-norm 0 --warmup 0 --label slidedp-recompute
+  done
+}
+# routes14b, item 2 (about 160 s): sharded against replicated delivery, both reducing on the
+# GPUs, Qwen3-14B at 8 and 16 sequences of 4,096 tokens per GPU on 4 GPUs (predicted 6.38 /
+# 12.60 s sharded, 6.40 / 12.62 replicated: within 0.4%), full recompute, no clipping, one build
+# (reproduce/routes' label). routes14b8: 64 per GPU on 8, GPU-bound (the paper: under 2.5%
+# apart; predicted 49.90 / 49.94 s), one timed step each, about 235 s.
+routes() {  # routes N BATCHES SECONDS BENCH-ARGS...
+  multi_deadline
+  on_gpus "$1" "$3" --mode slidedp --activation recompute --flavor qwen3-14B --max-norm 0 \
+    --routes sharded/gpu,replicated/gpu --batches "$2" --no-memory-check --warmup 0 --label routes "${@:4}"
+}
+# million, item 6: 256 sequences of 4,096 tokens per step (1,048,576) without accumulation,
+# Qwen3-14B, clipping at 1.0: 32 per GPU on 8 GPUs (recompute, predicted 25.0 s, about 85 s),
+# else 64 per GPU on 4, with half of each block's saved input offloaded to host memory (the
+# estimate: 129 of 140 GiB per GPU, 178 recomputing all on the GPU; 393 GiB of host; predicted
+# 49.9 s, about 155 s).
+million() {
+  multi_deadline
+  local common=(--mode slidedp --flavor qwen3-14B --no-memory-check --warmup 0 --steps 1 --label million)
+  if (( ngpu >= 8 )); then
+    on_gpus 8 150 "${common[@]}" --points recompute:32
+  else
+    on_gpus 4 240 "${common[@]}" --points "recompute@offload=0.5:64"
+  fi
+}
+# castcopy, item 5 (about 25 s per count): host amplification from the probe
+# (slidedp/plan/probe.py), which times pinned H2D and D2H per GPU with one GPU copying and with
+# all of its ranks at once, and on rank 0 the cast, Adam and triad by thread count: on 1, 2, 4
+# and 8 ranks (CASTCOPY_GPUS), each into castcopy_xN.json (the debug model on the torch kernels
+# for its block timings: no Triton compile), then paper_points' cast-and-copy table from them.
+castcopy() {
+  multi_deadline
+  local n
+  for n in ${CASTCOPY_GPUS:-1 2 4 8}; do
+    (( n <= ngpu )) || continue
+    within 60 env SLIDEDP_RATES_DIR="$out/probe_cache" torchrun --standalone --nproc_per_node="$n" \
+      -m recipes.probe --model.flavor=qwen3-debug --model.kernels=torch --training.seq_len=256 \
+      --slidedp.autopolicy_candidates=recompute --out "$out/castcopy_x$n.json"
+  done
+  python3 -m recipes.bench.paper_points --cast-and-copy "$out"/castcopy_x*.json
 }
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -258,6 +380,14 @@ for stage in "$@"; do
             run --mode deepspeed --zero-stage 3 --ac full --batches 4,16 --kernels liger --flavor qwen3-4B ;;
     zero8b) run --mode deepspeed --zero-stage 2 --ac full --batches 4,16 --kernels liger --flavor qwen3-8B ;;
     plan) plan_stage ;;
+    multi8b|multi14b|strong14b|weak32b|million|castcopy) "$stage" ;;
+    routes14b) routes 4 8,16 200 ;;
+    routes14b8) routes 8 64 330 --steps 1 ;;
+    # The predictions (PLAN_PREDICTED) beside this call's rows, and every row against the
+    # reference and FSDP2's peak.
+    compare) python3 -m recipes.bench.model_check compare "${PLAN_PREDICTED:?the predictions file}" \
+               "$out/runs.jsonl"
+             python3 -m recipes.bench.throughput --report "$out/runs.jsonl" ;;
     # REPRODUCE_ARGS: more flags for every reproduce script (e.g. --systems, --timeout).
     reproduce-*) name=${stage#reproduce-}
                  python3 -m "recipes.reproduce.$name" --kernels liger --out-dir "$out/$name" \

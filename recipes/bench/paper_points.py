@@ -12,7 +12,10 @@ measured), for docs/RESULTS.md:
   (27.2 and 14.4 s), so what remains is the host side of the model.
 - Sharded against replicated delivery on 4 A800s, 16 and 8 sequences per GPU, with and without
   the bridges.
-- The cast-and-copy of an 800M-parameter layer by one GPU and by two at once.
+- The cast-and-copy of an 800M-parameter layer by one GPU and by two at once; with
+  `--cast-and-copy RATES ...` only this table, from the probe's rates of 1, 2, 4, ... ranks of one
+  machine (their copies with every rank copying measured, the cast modelled; recipes/bench/h200.sh
+  stage `castcopy`).
 Assumed everywhere: torch kernels, full recompute, no clipping (max_norm = 0), 3 slots, 32 MiB
 chunks, the BF16 shadow (SlideFormer: the FP32 master cast on the CPU).
 """
@@ -156,26 +159,37 @@ def routes(seq: int) -> list[str]:
     return lines
 
 
-def cast_and_copy() -> list[str]:
-    rates = load_rates("a800x8_nvlink")
-    cores = rates.machine.cores
+def cast_and_copy(rates_of: dict[int, Rates]) -> list[str]:
+    """The table for `rates_of`: the rates with which each GPU count copies (a spec file for
+    every count, or the probe's of that many ranks)."""
     lines = ["Cast (FP32 -> BF16 on the CPU) and copy of an 800M-parameter layer, GB/s of BF16 per GPU:", "",
-             "| GPUs copying at once | paper | model, the cores shared by the GPUs' casts | model, one "
-             "thread casting per GPU |", "|---|---|---|---|"]
-    for gpus in (1, 2):
+             "| GPUs copying at once | rates | H2D per GPU alone / all at once | paper | model, the "
+             "cores shared by the GPUs' casts | model, one thread casting per GPU |",
+             "|---|---|---|---|---|---|"]
+    for gpus, rates in sorted(rates_of.items()):
         shared, single = (cast_and_copy_gbs(rates, elems=800_000_000, gpus=gpus, chunk_elems=16 << 20,
-                                            threads=t) for t in (cores // gpus, 1))
-        paper = PAPER["cast"][gpus]
-        lines.append(f"| {gpus} | {paper} | {shared:.1f} ({_pct(shared, paper)}) | "
-                     f"{single:.1f} ({_pct(single, paper)}) |")
+                                            threads=t) for t in (max(1, rates.machine.cores // gpus), 1))
+        paper = PAPER["cast"].get(gpus)
+        vs = (lambda x: f" ({_pct(x, paper)})") if paper else (lambda x: "")
+        lines.append(f"| {gpus} | {rates.machine.source} | {rates.h2d_gbs:.1f} / "
+                     f"{rates.h2d_together_gbs:.1f} | {paper or '–'} | {shared:.1f}{vs(shared)} | "
+                     f"{single:.1f}{vs(single)} |")
     return lines
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=512, help="the assumed sequence length")
+    p.add_argument("--cast-and-copy", nargs="+", metavar="RATES",
+                   help="only the cast-and-copy table, from these rates files (one per GPU count: "
+                        "the probe's on 1, 2, 4, ... ranks)")
     a = p.parse_args()
-    print("\n".join([*strong_scaling(a.seq), "", *routes(a.seq), "", *cast_and_copy()]))
+    if a.cast_and_copy:
+        measured = [load_rates(path) for path in a.cast_and_copy]
+        print("\n".join(cast_and_copy({r.machine.devices: r for r in measured})))
+        return
+    a800 = load_rates("a800x8_nvlink")
+    print("\n".join([*strong_scaling(a.seq), "", *routes(a.seq), "", *cast_and_copy({1: a800, 2: a800})]))
 
 
 if __name__ == "__main__":
