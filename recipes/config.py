@@ -6,6 +6,7 @@ can make in a config (unknown key, wrong type, bad choice, missing file) is repo
 """
 
 import dataclasses
+import importlib.util
 import sys
 import types
 from collections.abc import Iterable
@@ -520,12 +521,25 @@ def _check_cli_args(args: list[str]) -> list[str]:
     return out
 
 
+def _import_torchtitan_without_its_init() -> None:
+    """Register the `torchtitan` package without running its __init__.py, whose only work is
+    registering torchtitan's quantization converters (unused here): they import torch.compile's
+    stack, about 4 s of CPU in every process that parses a config (each rank, the preflight).
+    torchtitan.config and its imports (tyro, logging) do not need it. Without torchtitan the
+    import that follows fails as usual."""
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is not None and "torchtitan" not in sys.modules:
+        sys.modules["torchtitan"] = importlib.util.module_from_spec(spec)  # submodules import as usual
+
+
 def _job_config_manager():
     """torchtitan's ConfigManager for JobConfig, with one-line errors for TOML values and flags
     alike, strict TOML types, and --help spelled as the README does (underscores).
     Defined on first use: importing torchtitan takes seconds, which processes that only need
     the dataclasses (ranks of a test, SlideDP workers) should not pay."""
     import tyro
+
+    _import_torchtitan_without_its_init()
     from torchtitan.config.manager import ConfigManager, custom_registry
 
     class JobConfigManager(ConfigManager):

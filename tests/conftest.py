@@ -2,7 +2,8 @@
 
 Two ways, both importable (`from tests.conftest import run_ranks, run_torchrun`):
 - `run_ranks(fn, world=W, args=...)`: W spawned processes in one gloo group, each returning
-  `fn(rank, world, *args)` to the test (fn must be a module-level function);
+  `fn(rank, world, *args)` to the test (fn must be a module-level function); `ranks_fixture`
+  makes one launch of those for several tests;
 - `run_torchrun([...], nproc=W)`: `torchrun --standalone` of a module or script, as a user runs it.
 """
 
@@ -14,9 +15,10 @@ import socket
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -29,6 +31,14 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     machine has 2 cores shared by all ranks)."""
     path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # keep the rest
     return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)
+
+
+def selected(request: pytest.FixtureRequest, names: Iterable[str]) -> list[str]:
+    """Those of `names` (tests of the requesting module) that this session runs: a module
+    fixture that launches ranks once for several tests (a start-up costs seconds per rank) runs
+    only the cases of the tests selected."""
+    chosen = {item.name for item in request.session.items if item.module is request.module}
+    return [name for name in names if name in chosen]
 
 
 def free_port() -> int:
@@ -118,3 +128,21 @@ def run_ranks(fn: Callable[..., Any], *, world: int, args: tuple = (),
             if p.is_alive():  # a peer failed and this rank waits in a collective forever
                 p.kill()
     return [by_rank[r] for r in range(world)]
+
+
+def _calls(rank: int, world: int, calls: dict[str, tuple[Callable, tuple]]) -> dict[str, Any]:
+    return {name: fn(rank, world, *args) for name, (fn, args) in calls.items()}
+
+
+def ranks_fixture(calls: dict[str, tuple[Callable, tuple]], *, world: int):
+    """A module fixture over `calls`, keyed by the name of the test that checks each:
+    `fixture[name]` is, by rank, `fn(rank, world, *args)` for `calls[name] = (fn, args)`. The
+    selected tests' calls run one after another in one run_ranks launch."""
+
+    @pytest.fixture(scope="module")
+    def results(request) -> dict[str, list[Any]]:
+        chosen = {name: calls[name] for name in selected(request, calls)}
+        by_rank = run_ranks(_calls, world=world, args=(chosen,))
+        return {name: [r[name] for r in by_rank] for name in chosen}
+
+    return results

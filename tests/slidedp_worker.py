@@ -1,6 +1,7 @@
 """Runs SlideDP on R real ranks (gloo, CPU) for several route/schedule variants in one process
 group, writing per-step losses and final master weights for tests/test_slidedp.py to compare
-against the `single` backend. Launched with torchrun; not a test module itself."""
+against the `single` backend. A variant may carry its own flavor/steps/accum/max_norm, so that
+several tests' runs share one launch. Launched with torchrun; not a test module itself."""
 
 import argparse
 import json
@@ -95,17 +96,20 @@ def main() -> None:
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    args = get_flavor(a.flavor)
-    data = global_batches(steps=a.steps, accum=a.accum, batch=a.batch * world, seq=a.seq,
-                          vocab=args.vocab_size, seed=7)
     results = []
     for i, variant in enumerate(json.loads(a.variants)):
         # Not slidedp fields: [[delivery, reduction], ...] for set_routes before each step; a
         # delay in seconds added to every host update call (a slow CPU: the updates outlast
-        # backward, so what is left is reordered and overlaps the next step's forward).
+        # backward, so what is left is reordered and overlaps the next step's forward); this
+        # variant's run settings where they differ from the flags'.
         route_steps = variant.pop("routes_per_step", None)
         delay = variant.pop("update_delay_s", 0.0)
-        cfg = make_config(variant, accum=a.accum, max_norm=a.max_norm, kernels=a.kernels,
+        accum = variant.pop("accum", a.accum)
+        max_norm = variant.pop("max_norm", a.max_norm)
+        args = get_flavor(variant.pop("flavor", a.flavor))
+        data = global_batches(steps=variant.pop("steps", a.steps), accum=accum,
+                              batch=a.batch * world, seq=a.seq, vocab=args.vocab_size, seed=7)
+        cfg = make_config(variant, accum=accum, max_norm=max_norm, kernels=a.kernels,
                           batch=a.batch, seq=a.seq)
         backend = SlideDPBackend(cfg, args, device=device, dp_rank=rank, dp_world=world)
         mapped = mapped_host_state_bytes()
@@ -113,7 +117,7 @@ def main() -> None:
         if delay:
             slow_down_updates(backend, delay, updates)
         # What the start-up measurement predicts the activation offload moves per step.
-        predicted = a.accum * sum(backend.activation_costs[p].host.at(a.batch, a.seq)
+        predicted = accum * sum(backend.activation_costs[p].host.at(a.batch, a.seq)
                                   for p in backend.policies) / 2**20
         losses, norms, counters = [], [], []
         for step, micro in enumerate(data):

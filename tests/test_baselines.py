@@ -65,7 +65,7 @@ import sys  # noqa: E402
 from recipes.baselines.zero_offload import deepspeed_config  # noqa: E402
 from recipes.config import ConfigError, JobConfig  # noqa: E402
 from recipes.preflight import check_run  # noqa: E402
-from tests.conftest import run_ranks  # noqa: E402
+from tests.conftest import ranks_fixture  # noqa: E402
 from tests.test_fsdp2 import BASE, make_config, single_reference, train  # noqa: E402
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -122,16 +122,26 @@ def deepspeed_rank(rank: int, world: int, overrides: dict) -> dict:
     return {"optimizer": optimizer, **train(backend, config, dp_rank=rank, dp_world=world)}
 
 
+def zero_offload_overrides(stage: int) -> dict:
+    return {**BASE, "parallelism.mode": "deepspeed", "deepspeed.zero_stage": stage,
+            "deepspeed.cpu_threads": 1, "deepspeed.pin_memory": False,
+            "activation_checkpoint.mode": "full"}
+
+
+# Both stages' runs, by the test's name: one launch of two ranks.
+deepspeed_runs = ranks_fixture({
+    f"test_deepspeed_zero_offload_matches_single_process[{stage}]": (
+        deepspeed_rank, (zero_offload_overrides(stage),)) for stage in (2, 3)}, world=2)
+
+
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install '.[deepspeed]')")
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_offload_matches_single_process(stage):
+def test_deepspeed_zero_offload_matches_single_process(request, deepspeed_runs, stage):
     """ZeRO-2 / ZeRO-3 with DeepSpeedCPUAdam on 2 CPU ranks (DeepSpeed's CPU accelerator) give
     the single-process BF16 run's losses and pre-clip norms, within BF16 rounding: the loss
     scaling undoes DeepSpeed's averaging over ranks and micro-batches."""
-    overrides = {**BASE, "parallelism.mode": "deepspeed", "deepspeed.zero_stage": stage,
-                 "deepspeed.cpu_threads": 1, "deepspeed.pin_memory": False,
-                 "activation_checkpoint.mode": "full"}
-    ranks = run_ranks(deepspeed_rank, world=2, args=(overrides,))
+    overrides = zero_offload_overrides(stage)
+    ranks = deepspeed_runs[request.node.name]
     ref = single_reference({**overrides, "parallelism.mode": "single"})
     got = ranks[0]
     assert got["optimizer"] == "DeepSpeedCPUAdam"

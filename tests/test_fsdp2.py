@@ -13,7 +13,7 @@ from recipes.config import JobConfig
 from recipes.baselines.eager import build_fsdp2_backend, build_single_backend
 from recipes.parallelize import build_model
 from recipes.train import build_batches, build_lr_schedule, train_steps
-from tests.conftest import REPO, run_ranks
+from tests.conftest import REPO, ranks_fixture
 
 ARGS = get_flavor("qwen3-debug")
 TINY = os.path.join(REPO, "tests", "assets", "tiny")
@@ -63,16 +63,24 @@ def single_reference(overrides: dict) -> dict:
     return train(backend, config, dp_rank=0, dp_world=1)
 
 
-@pytest.mark.parametrize("dtype, ac, rtol, mean_weight_diff", [
-    ("fp32", "none", 1e-5, 1e-7),
+# dtype, activation checkpointing, and how closely each matches `single`.
+MATCHES = {
+    "fp32-none": ("fp32", "none", 1e-5, 1e-7),
     # BF16: FSDP2 casts parameters (MixedPrecisionPolicy), single autocasts matmuls only, so
     # they round differently.
-    ("bf16", "full", 2e-2, 1e-4),
-])
-def test_fsdp2_matches_single_process(dtype, ac, rtol, mean_weight_diff):
-    overrides = {**BASE, "training.dtype": dtype, "activation_checkpoint.mode": ac}
-    ranks = run_ranks(fsdp2_rank, world=WORLD, args=(overrides,))
-    ref = single_reference(overrides)
+    "bf16-full": ("bf16", "full", 2e-2, 1e-4),
+}
+
+
+def matches_overrides(dtype: str, ac: str) -> dict:
+    return {**BASE, "training.dtype": dtype, "activation_checkpoint.mode": ac}
+
+
+@pytest.mark.parametrize("run", MATCHES)
+def test_fsdp2_matches_single_process(request, fsdp2_runs, run):
+    dtype, ac, rtol, mean_weight_diff = MATCHES[run]
+    ranks = fsdp2_runs[request.node.name]
+    ref = single_reference(matches_overrides(dtype, ac))
     got = ranks[0]
     assert got["losses"] == pytest.approx(ref["losses"], rel=rtol)
     assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=rtol)
@@ -95,8 +103,8 @@ def fsdp2_meta_init_rank(rank: int, world: int) -> dict:
     return {"initial": initial, **train(backend, config, dp_rank=rank, dp_world=world)}
 
 
-def test_fsdp2_init_on_meta_equals_cpu_init():
-    result = run_ranks(fsdp2_meta_init_rank, world=WORLD)[0]
+def test_fsdp2_init_on_meta_equals_cpu_init(request, fsdp2_runs):
+    result = fsdp2_runs[request.node.name][0]
     reference = dict(build_model(ARGS, seed=JobConfig().training.seed).named_parameters())
     assert set(result["initial"]) == set(reference)
     for name, value in result["initial"].items():
@@ -106,20 +114,27 @@ def test_fsdp2_init_on_meta_equals_cpu_init():
 
 
 def fsdp2_variants_rank(rank: int, world: int, variants: list[dict]) -> list[dict]:
-    """Several FSDP2 runs in one pair of processes (one start-up for all)."""
     return [fsdp2_rank(rank, world, overrides) for overrides in variants]
 
 
-def test_fsdp2_selective_checkpointing_and_cpu_offload_match_the_plain_run():
+_FP32, _BF16 = {**BASE, "training.dtype": "fp32"}, {**BASE, "training.dtype": "bf16"}
+# Each test's FSDP2 runs, by the test's name: all in one pair of processes.
+fsdp2_runs = ranks_fixture({
+    **{f"test_fsdp2_matches_single_process[{run}]": (fsdp2_rank, (matches_overrides(*m[:2]),))
+       for run, m in MATCHES.items()},
+    "test_fsdp2_init_on_meta_equals_cpu_init": (fsdp2_meta_init_rank, ()),
+    "test_fsdp2_selective_checkpointing_and_cpu_offload_match_the_plain_run": (
+        fsdp2_variants_rank, ([_FP32, {**_FP32, "activation_checkpoint.mode": "selective"},
+                               {**_FP32, "parallelism.fsdp_cpu_offload": True},
+                               _BF16, {**_BF16, "activation_checkpoint.mode": "selective"}],)),
+}, world=WORLD)
+
+
+def test_fsdp2_selective_checkpointing_and_cpu_offload_match_the_plain_run(request, fsdp2_runs):
     """torchtitan's op-level selective checkpointing recomputes exactly what forward computed
     (FP32, and BF16 with its casts), and CPUOffloadPolicy moves the same shards through host
     memory: each gives the plain run's losses, norms and weights."""
-    fp32 = {**BASE, "training.dtype": "fp32"}
-    bf16 = {**BASE, "training.dtype": "bf16"}
-    runs = run_ranks(fsdp2_variants_rank, world=WORLD, args=([
-        fp32, {**fp32, "activation_checkpoint.mode": "selective"},
-        {**fp32, "parallelism.fsdp_cpu_offload": True},
-        bf16, {**bf16, "activation_checkpoint.mode": "selective"}],))[0]
+    runs = fsdp2_runs[request.node.name][0]
     for plain, variant in ((runs[0], runs[1]), (runs[0], runs[2]), (runs[3], runs[4])):
         assert variant["losses"] == pytest.approx(plain["losses"], rel=1e-6)
         assert variant["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-6)

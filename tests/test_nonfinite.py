@@ -22,7 +22,7 @@ from models.qwen import RMSNorm
 from recipes.checkpoint import TRAIN_STATE
 from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.baselines.eager import _create_adam_state, build_fsdp2_backend, build_single_backend
-from tests.conftest import REPO, run_ranks
+from tests.conftest import REPO, ranks_fixture
 from tests.slidedp_worker import global_batches, make_config
 from tests.test_resume import train_state
 
@@ -144,33 +144,41 @@ def test_single_skips_a_nonfinite_step_exactly(poison):
     assert steps and all(int(v) == 3 for v in steps.values())
 
 
-def test_fsdp2_skips_a_nonfinite_step_exactly():
-    result, _ = run_ranks(_compare, world=2, args=("fsdp2", {}, 2, 0.0, "grad"))
-    assert_skipped_exactly(result["poisoned"], result["reference"], poison="grad")
-
-
 # Every way SlideDP updates: the guard's deferred updates without clipping (both routes), the
 # clipped ones (their gradients waiting in the shadow, or without one in the BF16 buffer), with
 # accumulation; and "off", which updates during backward.
-SLIDEDP_CASES = [({"reduction": "gpu"}, 1, 0.0, "loss"),
-                 ({"reduction": "cpu", "delivery": "replicated"}, 1, 0.0, "grad"),
-                 ({"reduction": "gpu"}, 1, 0.05, "grad"),
-                 ({"reduction": "gpu", "bf16_shadow": False}, 1, 0.05, "loss"),
-                 ({"reduction": "cpu"}, 2, 0.0, "loss")]
+SLIDEDP_CASES = {"gpu": ({"reduction": "gpu"}, 1, 0.0, "loss"),
+                 "cpu": ({"reduction": "cpu", "delivery": "replicated"}, 1, 0.0, "grad"),
+                 "gpu-clip": ({"reduction": "gpu"}, 1, 0.05, "grad"),
+                 "gpu-clip-no-shadow": ({"reduction": "gpu", "bf16_shadow": False}, 1, 0.05,
+                                        "loss"),
+                 "cpu-accum": ({"reduction": "cpu"}, 2, 0.0, "loss")}
+# Each two-rank test's comparison, by the test's name: all in one launch of two ranks.
+two_ranks = ranks_fixture({
+    "test_fsdp2_skips_a_nonfinite_step_exactly": (_compare, ("fsdp2", {}, 2, 0.0, "grad")),
+    **{f"test_slidedp_skips_a_nonfinite_step_exactly[{name}]": (_compare, ("slidedp", *case))
+       for name, case in SLIDEDP_CASES.items()},
+    "test_slidedp_without_the_guard_updates_during_backward": (
+        _compare, ("slidedp", {"nonfinite": "off"}, 1, 0.0, "grad")),
+}, world=2)
 
 
-@pytest.mark.parametrize("variant,accum,max_norm,poison", SLIDEDP_CASES)
-def test_slidedp_skips_a_nonfinite_step_exactly(variant, accum, max_norm, poison):
-    result, _ = run_ranks(_compare, world=2, args=("slidedp", variant, accum, max_norm, poison))
+def test_fsdp2_skips_a_nonfinite_step_exactly(request, two_ranks):
+    result = two_ranks[request.node.name][0]
+    assert_skipped_exactly(result["poisoned"], result["reference"], poison="grad")
+
+
+@pytest.mark.parametrize("case", SLIDEDP_CASES)
+def test_slidedp_skips_a_nonfinite_step_exactly(request, two_ranks, case):
+    result = two_ranks[request.node.name][0]
+    poison = SLIDEDP_CASES[case][-1]
     assert_skipped_exactly(result["poisoned"], result["reference"], poison=poison)
     assert result["poisoned"]["adam_steps"] == result["reference"]["adam_steps"] == 3
 
 
-def test_slidedp_without_the_guard_updates_during_backward():
+def test_slidedp_without_the_guard_updates_during_backward(request, two_ranks):
     """"off": nothing is checked, nothing waits for the norm: the poisoned update goes in."""
-    result, _ = run_ranks(_compare, world=2, args=("slidedp", {"nonfinite": "off"}, 1, 0.0,
-                                                  "grad"))
-    poisoned = result["poisoned"]
+    poisoned = two_ranks[request.node.name][0]["poisoned"]
     assert poisoned["skipped"] == [False] * 4
     assert torch.isnan(poisoned["after"]["master"]).any()
 

@@ -12,8 +12,8 @@ from slidedp.config import SlideDPConfig
 from slidedp.host_state import HostStatePlan, host_state_bytes, updates_deferred
 from slidedp.layout import StateLayout
 from slidedp.peer_styles import RUNTIME_STYLES
-from tests.test_slidedp import (ODD_CHUNK, assert_host_bytes, assert_matches_reference,
-                                run_workers, single_reference)
+from tests.test_slidedp import (ODD_CHUNK, Case, assert_host_bytes, assert_matches_reference,
+                                launched_cases, single_reference)
 
 LR, STEPS = 1e-3, 3
 
@@ -45,34 +45,41 @@ def assert_sole_updater(results):
             assert c.get("traffic_all_gather_mb", 0) == 0 and c.get("traffic_reduce_scatter_mb", 0) == 0
 
 
+# Each multi-rank test's runs, by the test's name: peer_runs launches them per world size.
+CASES = {f"test_peer_styles_match_single_with_accumulation_and_clipping[{world}]": Case(
+    world, "qwen3-debug", steps=STEPS, accum=2, max_norm=0.5, variants=[
+        {"runtime": "slideformer", "chunk_mib": ODD_CHUNK},
+        {"runtime": "megatrain", "chunk_mib": ODD_CHUNK, "activation": "keep"}])
+    for world in (2, 3)}
+CASES["test_peer_styles_without_accumulation_or_clipping"] = Case(
+    2, "qwen3-debug", steps=STEPS, accum=1, max_norm=0.0, variants=[
+        {"runtime": "slideformer", "nonfinite": "off", "update_delay_s": 0.002},
+        {"runtime": "megatrain", "nonfinite": "off", "update_delay_s": 0.002}])
+peer_runs = launched_cases(CASES)
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_peer_styles_match_single_with_accumulation_and_clipping(tmp_path, world):
-    variants = [{"runtime": "slideformer", "chunk_mib": ODD_CHUNK},
-                {"runtime": "megatrain", "chunk_mib": ODD_CHUNK, "activation": "keep"}]
-    kw = dict(flavor="qwen3-debug", steps=STEPS, accum=2, max_norm=0.5)
-    results = run_workers(tmp_path, world=world, variants=variants, **kw)
-    ref_losses, ref_weights = single_reference(world=world, **kw)
+def test_peer_styles_match_single_with_accumulation_and_clipping(request, peer_runs, world):
+    case, results = peer_runs(request.node.name)
+    ref_losses, ref_weights = single_reference(world=world, **case.kw)
     assert_matches_reference(results[:1], ref_losses, ref_weights)
     assert_bf16_master_matches_reference(results[1:], ref_losses, ref_weights)
-    assert all(n > kw["max_norm"] for r in results for n in r["grad_norms"])  # it did clip
+    assert all(n > case.max_norm for r in results for n in r["grad_norms"])  # it did clip
     assert [r["grad_norms"] for r in results][0] == pytest.approx(results[1]["grad_norms"],
                                                                   rel=2e-2)
-    assert_host_bytes(results, world=world, flavor=kw["flavor"], accum=kw["accum"],
-                      max_norm=kw["max_norm"])
+    assert_host_bytes(results, world=world, flavor=case.flavor, accum=case.accum,
+                      max_norm=case.max_norm)
 
 
-def test_peer_styles_without_accumulation_or_clipping(tmp_path):
+def test_peer_styles_without_accumulation_or_clipping(request, peer_runs):
     """One micro-batch, guard off: SlideFormer's rank 0 updates inside the host sum during
     backward; MegaTrain's updates still wait for the whole backward."""
-    variants = [{"runtime": "slideformer", "nonfinite": "off", "update_delay_s": 0.002},
-                {"runtime": "megatrain", "nonfinite": "off", "update_delay_s": 0.002}]
-    kw = dict(flavor="qwen3-debug", steps=STEPS, accum=1, max_norm=0.0)
-    results = run_workers(tmp_path, world=2, variants=variants, **kw)
-    ref_losses, ref_weights = single_reference(world=2, **kw)
+    case, results = peer_runs(request.node.name)
+    ref_losses, ref_weights = single_reference(world=2, **case.kw)
     assert_matches_reference(results[:1], ref_losses, ref_weights)
     assert_bf16_master_matches_reference(results[1:], ref_losses, ref_weights)
     assert_sole_updater(results[:1])
-    n_units = get_flavor(kw["flavor"]).n_layers + 2
+    n_units = get_flavor(case.flavor).n_layers + 2
     for r in results:  # rank 0 updates every unit
         assert sorted(set(r["updated_units"])) == list(range(n_units)), r["variant"]
     # SlideFormer: the other rank runs no CPU Adam; MegaTrain: each rank updates its shard.

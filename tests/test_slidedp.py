@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,25 +24,75 @@ from recipes.baselines.eager import build_single_backend
 from slidedp.layout import SHARD_ALIGN, StateLayout
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.schedule import Use, plan_micro_batch
-from tests.conftest import REPO, kill_process_tree, run_torchrun, subprocess_env
+from tests.conftest import REPO, kill_process_tree, run_torchrun, selected, subprocess_env
 from tests.slidedp_worker import global_batches, make_config
 
 # A chunk of 0.003 MiB is 1536 elements: it divides neither a block nor a shard.
 ODD_CHUNK = 0.003
 
 
-def run_workers(tmp_path, *, world: int, variants: list[dict], flavor: str, steps: int,
-                accum: int, max_norm: float, device: str = "cpu",
-                kernels: str = "auto") -> list[dict]:
+def run_workers(tmp_path, *, world: int, variants: list[dict], device: str = "cpu",
+                kernels: str = "auto", **setting: str | int | float) -> list[dict]:
+    """The worker's runs of `variants` on `world` ranks; `setting` (flavor, steps, accum,
+    max_norm) for the variants that carry none of their own."""
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in setting.items()]
     run_torchrun([os.path.join(REPO, "tests", "slidedp_worker.py"),
-                  "--variants", json.dumps(variants), "--flavor", flavor, "--steps", str(steps),
-                  "--accum", str(accum), "--max-norm", str(max_norm), "--out", str(tmp_path),
+                  "--variants", json.dumps(variants), *flags, "--out", str(tmp_path),
                   "--device", device, "--kernels", kernels], nproc=world)
     with open(tmp_path / "results.json") as f:
         results = json.load(f)
     for i, r in enumerate(results):
         r["weights"] = torch.load(tmp_path / f"weights_{i}.pt")
     return results
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test's SlideDP runs on `world` gloo ranks: its variants, with one run setting."""
+    world: int
+    flavor: str
+    steps: int
+    accum: int
+    max_norm: float
+    variants: list[dict]
+
+    @property
+    def kw(self) -> dict:
+        """The run setting, as single_reference and the worker's variants take it."""
+        return dict(flavor=self.flavor, steps=self.steps, accum=self.accum,
+                    max_norm=self.max_norm)
+
+
+def run_cases(tmp_path, cases: dict[str, Case]) -> dict[str, list[dict]]:
+    """Every case (of one world size) in one torchrun: one start-up for all, each variant with
+    its case's setting. The results by case."""
+    (world,) = {c.world for c in cases.values()}
+    results = iter(run_workers(tmp_path, world=world, variants=[
+        {**c.kw, **v} for c in cases.values() for v in c.variants]))
+    return {name: [next(results) for _ in c.variants] for name, c in cases.items()}
+
+
+def launched_cases(cases: dict[str, Case]) -> Callable:
+    """A module fixture over `cases`, keyed by the name of the test that checks each:
+    `runs(request.node.name)` is (case, results). Launching is what costs (seconds per rank
+    start-up): the first call for a world size runs every selected test's case of that size in
+    one torchrun."""
+
+    @pytest.fixture(scope="module")
+    def runs(request, tmp_path_factory) -> Callable[[str], tuple[Case, list[dict]]]:
+        chosen = selected(request, cases)
+        launched: dict[int, dict[str, list[dict]]] = {}
+
+        def results(name: str) -> tuple[Case, list[dict]]:
+            world = cases[name].world
+            if world not in launched:
+                launched[world] = run_cases(tmp_path_factory.mktemp(f"ranks{world}"), {
+                    n: cases[n] for n in chosen if cases[n].world == world})
+            return cases[name], launched[world][name]
+
+        return results
+
+    return runs
 
 
 def single_reference(*, world: int, flavor: str, steps: int, accum: int, max_norm: float,
@@ -93,23 +145,28 @@ def assert_offload_traffic(results):
                 assert c["traffic_offload_d2h_mb"] == pytest.approx(r["predicted_offload_mb"])
 
 
-def test_two_ranks_every_datapath_with_accumulation_and_clipping(tmp_path):
-    variants = [
+# Each multi-rank test's runs, by the test's name: slidedp_runs launches them per world size.
+CASES: dict[str, Case] = {}
+slidedp_runs = launched_cases(CASES)
+
+CASES["test_two_ranks_every_datapath_with_accumulation_and_clipping"] = Case(
+    2, "qwen3-debug", steps=3, accum=2, max_norm=0.5, variants=[
         {"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK},
         {"delivery": "replicated", "reduction": "cpu", "chunk_mib": ODD_CHUNK},
         {"delivery": "replicated", "reduction": "gpu", "activation": "keep"},
         {"delivery": "sharded", "reduction": "gpu", "activation": "selective", "window_slots": 2},
         {"delivery": "sharded", "reduction": "cpu", "keep_blocks": 2, "bf16_shadow": False,
          "window_slots": 2, "chunk_mib": ODD_CHUNK},
-        *POLICY_VARIANTS,
-    ]
-    kw = dict(flavor="qwen3-debug", steps=3, accum=2, max_norm=0.5)
-    results = run_workers(tmp_path, world=2, variants=variants, **kw)
-    ref_losses, ref_weights = single_reference(world=2, **kw)
+        *POLICY_VARIANTS])
+
+
+def test_two_ranks_every_datapath_with_accumulation_and_clipping(request, slidedp_runs):
+    case, results = slidedp_runs(request.node.name)
+    ref_losses, ref_weights = single_reference(world=2, **case.kw)
     assert_matches_reference(results, ref_losses, ref_weights)
     assert_offload_traffic(results)
-    assert_host_bytes(results, world=2, flavor=kw["flavor"], accum=kw["accum"],
-                      max_norm=kw["max_norm"])
+    assert_host_bytes(results, world=2, flavor=case.flavor, accum=case.accum,
+                      max_norm=case.max_norm)
     # Traffic per rank (paper's table): sharded delivery halves H2D at R=2; CPU-side reduction
     # returns the full gradient (2x the GPU-reduced shard) and sums R copies on the host.
     t = [r["counters"][0] for r in results]
@@ -121,22 +178,25 @@ def test_two_ranks_every_datapath_with_accumulation_and_clipping(tmp_path):
     assert t[3]["traffic_h2d_mb"] > t[0]["traffic_h2d_mb"]
 
 
-def test_two_ranks_clipping_without_accumulation(tmp_path):
+CASES["test_two_ranks_clipping_without_accumulation"] = Case(
+    2, "qwen3-debug", steps=3, accum=1, max_norm=0.05, variants=[
+        {"delivery": "sharded", "reduction": "gpu"},
+        {"delivery": "replicated", "reduction": "cpu", "chunk_mib": ODD_CHUNK},
+        {"delivery": "replicated", "reduction": "gpu", "bf16_shadow": False,
+         "chunk_mib": ODD_CHUNK},
+        {"delivery": "sharded", "reduction": "cpu", "bf16_shadow": False}])
+
+
+def test_two_ranks_clipping_without_accumulation(request, slidedp_runs):
     # One micro-batch with clipping: the route takes the norm (on the GPU, or inside the host
     # sum) and the BF16 gradients wait on the host for the clipped update, which runs after the
     # step: in the shadow, in the BF16 gradient buffer without one, or (cpu route) in the
     # staging copies, summed again.
-    variants = [{"delivery": "sharded", "reduction": "gpu"},
-                {"delivery": "replicated", "reduction": "cpu", "chunk_mib": ODD_CHUNK},
-                {"delivery": "replicated", "reduction": "gpu", "bf16_shadow": False,
-                 "chunk_mib": ODD_CHUNK},
-                {"delivery": "sharded", "reduction": "cpu", "bf16_shadow": False}]
-    kw = dict(flavor="qwen3-debug", steps=3, accum=1, max_norm=0.05)
-    results = run_workers(tmp_path, world=2, variants=variants, **kw)
-    ref_losses, ref_weights = single_reference(world=2, **kw)
+    case, results = slidedp_runs(request.node.name)
+    ref_losses, ref_weights = single_reference(world=2, **case.kw)
     assert_matches_reference(results, ref_losses, ref_weights)
-    assert_host_bytes(results, world=2, flavor=kw["flavor"], accum=1, max_norm=kw["max_norm"])
-    assert all(n > kw["max_norm"] for r in results for n in r["grad_norms"])  # it did clip
+    assert_host_bytes(results, world=2, flavor=case.flavor, accum=1, max_norm=case.max_norm)
+    assert all(n > case.max_norm for r in results for n in r["grad_norms"])  # it did clip
     for r in results:
         later = r["counters"][-1]  # the step after a clipped one runs that step's updates
         assert later["host_grad_job_s"] > 0 and later["host_clipped_update_s"] > 0
@@ -146,45 +206,50 @@ def test_two_ranks_clipping_without_accumulation(tmp_path):
         2 * results[1]["counters"][1]["traffic_h2d_mb"])
 
 
-def test_routes_switch_between_steps_in_every_direction(tmp_path):
-    """set_routes through all 12 transitions of the four datapaths (an Eulerian circuit), with
-    accumulation: the cpu route's buffer release must not wait for returns the gpu route never
-    made (it hung on cpu -> gpu -> cpu)."""
-    a, b = ["sharded", "cpu"], ["sharded", "gpu"]
-    c, d = ["replicated", "cpu"], ["replicated", "gpu"]
-    circuit = [a, b, a, c, a, d, b, c, b, d, c, d, a]
-    variants = [{"delivery": "sharded", "reduction": "cpu", "routes_per_step": circuit}]
-    kw = dict(flavor="qwen3-debug", steps=len(circuit), accum=2, max_norm=0.0)
-    results = run_workers(tmp_path, world=2, variants=variants, **kw)
-    ref_losses, ref_weights = single_reference(world=2, **kw)
+_A, _B = ["sharded", "cpu"], ["sharded", "gpu"]
+_C, _D = ["replicated", "cpu"], ["replicated", "gpu"]
+CIRCUIT = [_A, _B, _A, _C, _A, _D, _B, _C, _B, _D, _C, _D, _A]
+CASES["test_routes_switch_between_steps_in_every_direction"] = Case(
+    2, "qwen3-debug", steps=len(CIRCUIT), accum=2, max_norm=0.0, variants=[
+        {"delivery": "sharded", "reduction": "cpu", "routes_per_step": CIRCUIT}])
+
+
+def test_routes_switch_between_steps_in_every_direction(request, slidedp_runs):
+    """set_routes through all 12 transitions of the four datapaths (CIRCUIT, an Eulerian
+    circuit), with accumulation: the cpu route's buffer release must not wait for returns the
+    gpu route never made (it hung on cpu -> gpu -> cpu)."""
+    case, results = slidedp_runs(request.node.name)
+    ref_losses, ref_weights = single_reference(world=2, **case.kw)
     assert_matches_reference(results, ref_losses, ref_weights)
-    cpu_steps = [i for i, route in enumerate(circuit) if route[1] == "cpu"]
+    cpu_steps = [i for i, route in enumerate(CIRCUIT) if route[1] == "cpu"]
     counters = results[0]["counters"]
     assert all((counters[i]["traffic_host_reduce_mb"] > 0) == (i in cpu_steps)
-               for i in range(len(circuit)))
+               for i in range(len(CIRCUIT)))
 
 
-def test_three_ranks_untied_qwen25(tmp_path):
-    # Without clipping: updates during backward (the non-finite guard off), and after it (on).
-    # Slowed-down updates outlast backward: what is left runs in arrival order (or in the next
-    # step's order, bit for bit the same) while the next step starts, with the reduced shards
-    # waiting on the device (no shadow: 12 B/param of host memory); on the cpu route each unit
-    # is updated as its sum arrives.
-    slow = {"nonfinite": "off", "update_delay_s": 0.005, "delivery": "replicated"}
-    no_shadow = {**slow, "bf16_shadow": False, "chunk_mib": ODD_CHUNK}
-    variants = [{"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK,
-                 "nonfinite": "off"},
-                {"delivery": "replicated", "reduction": "cpu", "activation": "keep"},
-                {"activation": "segments(qkv+o_proj)@offload=1",
-                 "activation_blocks": "0:selective@offload=0.37"},
-                no_shadow, {**no_shadow, "update_order": "next_use"},
-                {**slow, "reduction": "cpu"}]
-    kw = dict(flavor="qwen2.5-debug", steps=3, accum=1, max_norm=0.0)
-    results = run_workers(tmp_path, world=3, variants=variants, **kw)
-    ref_losses, ref_weights = single_reference(world=3, **kw)
+# Without clipping: updates during backward (the non-finite guard off), and after it (on).
+# Slowed-down updates outlast backward: what is left runs in arrival order (or in the next
+# step's order, bit for bit the same) while the next step starts, with the reduced shards
+# waiting on the device (no shadow: 12 B/param of host memory); on the cpu route each unit
+# is updated as its sum arrives.
+_SLOW = {"nonfinite": "off", "update_delay_s": 0.005, "delivery": "replicated"}
+_NO_SHADOW = {**_SLOW, "bf16_shadow": False, "chunk_mib": ODD_CHUNK}
+CASES["test_three_ranks_untied_qwen25"] = Case(
+    3, "qwen2.5-debug", steps=3, accum=1, max_norm=0.0, variants=[
+        {"delivery": "sharded", "reduction": "gpu", "chunk_mib": ODD_CHUNK, "nonfinite": "off"},
+        {"delivery": "replicated", "reduction": "cpu", "activation": "keep"},
+        {"activation": "segments(qkv+o_proj)@offload=1",
+         "activation_blocks": "0:selective@offload=0.37"},
+        _NO_SHADOW, {**_NO_SHADOW, "update_order": "next_use"},
+        {**_SLOW, "reduction": "cpu"}])
+
+
+def test_three_ranks_untied_qwen25(request, slidedp_runs):
+    case, results = slidedp_runs(request.node.name)
+    ref_losses, ref_weights = single_reference(world=3, **case.kw)
     assert_matches_reference(results, ref_losses, ref_weights)
     assert_offload_traffic(results)
-    assert_host_bytes(results, world=3, flavor=kw["flavor"], accum=1, max_norm=0.0)
+    assert_host_bytes(results, world=3, flavor=case.flavor, accum=1, max_norm=0.0)
     assert_bit_identical(results[3], results[4])
 
     def reported(r, key):  # a step's updates may end after it returns: the next one reports them
@@ -205,27 +270,37 @@ def assert_bit_identical(a: dict, b: dict) -> None:
     assert all(torch.equal(a["weights"][n], w) for n, w in b["weights"].items()), b["variant"]
 
 
-@pytest.mark.parametrize("world,accum,max_norm,nonfinite", [(2, 2, 0.5, "stop_consecutive"),
-                                                            (3, 1, 0.5, "stop_consecutive"),
-                                                            (3, 2, 0.0, "off")])
-def test_update_orders_are_bit_identical(tmp_path, world, accum, max_norm, nonfinite):
-    """Slowed-down host updates outlast backward, so what is left is reordered (with the updates
-    during backward; deferred ones wait for the step's norm and run in forward order either
-    way). "next_use" and "arrival" give bit-identical losses, norms and weights, and both equal
-    `single` within BF16 tolerance: clipping with and without accumulation, accumulation
-    without clipping, shadow on and off, both reduction routes."""
+def _update_order_case(world: int, accum: int, max_norm: float, nonfinite: str) -> Case:
     slow = {"nonfinite": nonfinite, "update_delay_s": 0.005}
     bases = [{"delivery": "sharded", "reduction": "gpu"},
              {"delivery": "replicated", "reduction": "gpu", "bf16_shadow": False,
               "chunk_mib": ODD_CHUNK},
              {"delivery": "sharded", "reduction": "cpu", "bf16_shadow": False}]
-    variants = [{**slow, **base, "update_order": order}
-                for base in bases for order in ("next_use", "arrival")]
-    kw = dict(flavor="qwen3-debug", steps=3, accum=accum, max_norm=max_norm)
-    results = run_workers(tmp_path, world=world, variants=variants, **kw)
-    ref_losses, ref_weights = single_reference(world=world, **kw)
+    return Case(world, "qwen3-debug", steps=3, accum=accum, max_norm=max_norm,
+                variants=[{**slow, **base, "update_order": order}
+                          for base in bases for order in ("next_use", "arrival")])
+
+
+UPDATE_ORDER_RUNS = {"2-2-0.5-stop_consecutive": (2, 2, 0.5, "stop_consecutive"),
+                     "3-1-0.5-stop_consecutive": (3, 1, 0.5, "stop_consecutive"),
+                     "3-2-0.0-off": (3, 2, 0.0, "off")}
+CASES.update({f"test_update_orders_are_bit_identical[{run}]": _update_order_case(*params)
+              for run, params in UPDATE_ORDER_RUNS.items()})
+
+
+@pytest.mark.parametrize("run", UPDATE_ORDER_RUNS)
+def test_update_orders_are_bit_identical(request, slidedp_runs, run):
+    """Slowed-down host updates outlast backward, so what is left is reordered (with the updates
+    during backward; deferred ones wait for the step's norm and run in forward order either
+    way). "next_use" and "arrival" give bit-identical losses, norms and weights, and both equal
+    `single` within BF16 tolerance: clipping with and without accumulation, accumulation
+    without clipping, shadow on and off, both reduction routes."""
+    case, results = slidedp_runs(request.node.name)
+    max_norm = case.max_norm
+    ref_losses, ref_weights = single_reference(world=case.world, **case.kw)
     assert_matches_reference(results, ref_losses, ref_weights)
-    assert_host_bytes(results, world=world, flavor=kw["flavor"], accum=accum, max_norm=max_norm)
+    assert_host_bytes(results, world=case.world, flavor=case.flavor, accum=case.accum,
+                      max_norm=max_norm)
     for next_use, arrival in zip(results[::2], results[1::2]):
         assert_bit_identical(next_use, arrival)
         # The host update calls (one per chunk), unit by unit: deferred ones in forward order
@@ -239,11 +314,15 @@ def test_update_orders_are_bit_identical(tmp_path, world, accum, max_norm, nonfi
         assert all(n > max_norm for r in results for n in r["grad_norms"])  # it did clip
 
 
-def test_two_ranks_qwen25_activation_policies_with_accumulation_and_clipping(tmp_path):
+CASES["test_two_ranks_qwen25_activation_policies_with_accumulation_and_clipping"] = Case(
+    2, "qwen2.5-debug", steps=3, accum=2, max_norm=0.5, variants=POLICY_VARIANTS)
+
+
+def test_two_ranks_qwen25_activation_policies_with_accumulation_and_clipping(request,
+                                                                              slidedp_runs):
     """The untied family with QKV bias (no QK-norm: RoPE rotates the projections' outputs)."""
-    kw = dict(flavor="qwen2.5-debug", steps=3, accum=2, max_norm=0.5)
-    results = run_workers(tmp_path, world=2, variants=POLICY_VARIANTS, **kw)
-    ref_losses, ref_weights = single_reference(world=2, **kw)
+    case, results = slidedp_runs(request.node.name)
+    ref_losses, ref_weights = single_reference(world=2, **case.kw)
     assert_matches_reference(results, ref_losses, ref_weights)
     assert_offload_traffic(results)
 
