@@ -25,6 +25,7 @@ from models.args import QwenArgs
 from recipes.checkpoint import FORMAT_VERSION, read_meta
 from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, resolve_resume_dir
 from models.kernels import resolve_kernels
+from slidedp.gpu_update import check_embedding_update
 from slidedp.plan.memory import (REFUSE_ABOVE, Kernel, estimate_device_memory,
                                      largest_fitting_batch)
 
@@ -63,6 +64,12 @@ def check_mode_options(config: JobConfig) -> None:
     if config.parallelism.fsdp_cpu_offload and mode != "fsdp2":
         raise ConfigError(f'parallelism.fsdp_cpu_offload applies to parallelism.mode = "fsdp2", '
                           f'not "{mode}"')
+    if mode == "slidedp":
+        try:
+            check_embedding_update(config.slidedp,
+                                   grad_accum_steps=config.training.grad_accum_steps)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if mode != "deepspeed":
         return
     if importlib.util.find_spec("deepspeed") is None:

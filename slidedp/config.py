@@ -11,6 +11,8 @@ ReductionRoute = Literal["gpu", "cpu", "locked"]
 """GPU->host gradient routes (slidedp/update.py)."""
 RuntimeName = Literal["slidedp", "slideformer", "megatrain"]
 """The runtime's own policies, or a peer system's re-implemented on it (slidedp/peer_styles.py)."""
+EmbeddingUpdate = Literal["host", "gpu"]
+"""Where the embedding's AdamW runs (slidedp/gpu_update.py)."""
 
 
 @dataclass
@@ -50,6 +52,12 @@ class SlideDPConfig:
     update_order: UpdateOrderName = "arrival"
     """Which runnable update runs first: "arrival" (as the gradients came home; the faster on the
     H200, docs/PERFORMANCE.md) or "next_use" (the unit the next step needs first)."""
+    embedding_update: EmbeddingUpdate = "host"
+    """Where the embedding's AdamW runs: "host" (the CPU Adam, like every unit) or "gpu" (its
+    FP32 master and moments come to the GPU during the last blocks' backward, are updated there
+    and go home after; the embedding's gradient, the head's too when tied, is the last of
+    backward, and its host update is the tail before the next forward; one micro-batch,
+    reduction = "gpu"; slidedp/gpu_update.py)."""
     bf16_shadow: bool = True
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
     as the delivery source (half the H2D bytes; without it the FP32 master is copied and cast on

@@ -61,7 +61,9 @@ from slidedp import cpu_adam
 from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Offloader,
                                  WeightRefs, block_input, block_policies, describe_costs,
                                  measure_costs, offload_bytes)
+from slidedp.config import EmbeddingUpdate
 from slidedp.delivery import Delivery
+from slidedp.gpu_update import PREFETCH_AT_BLOCK, GpuUpdate, check_embedding_update
 from slidedp.host_state import (Hold, HostStatePlan, SharedHostState, StepAborted,
                                 available_host_bytes, host_state_bytes, updates_deferred)
 from slidedp.layout import StateLayout, Unit, chunk_elems
@@ -71,7 +73,7 @@ from slidedp.schedule import Use, plan_micro_batch
 from slidedp.state_file import load_shards, read_master, save_shards
 from slidedp.streams import Streams
 from slidedp.traffic import Traffic
-from slidedp.update import AdamHyper, GradientReturn, HostOptimizer
+from slidedp.update import AdamHyper, GradientReturn, HostOptimizer, Returned
 from slidedp.update_order import UPDATE_ORDERS, UpdateOrderName, UpdateQueue
 
 
@@ -112,6 +114,7 @@ class SlideDPBackend:
                                          reduction=cfg.reduction)
         self.layout = StateLayout(model_args, world=dp_world, sole_owner=self.style.sole_owner)
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
+        check_embedding_update(cfg, grad_accum_steps=tr.grad_accum_steps)
         needs = dict(grad_accum_steps=tr.grad_accum_steps, max_norm=tr.max_norm,
                      nonfinite=tr.nonfinite)
         plan = HostStatePlan.for_run(cfg, **needs)
@@ -153,7 +156,11 @@ class SlideDPBackend:
                                                              eps=opt.eps,
                                                              weight_decay=opt.weight_decay),
                                        threads=threads)
+        self._accum_steps = tr.grad_accum_steps
         self._pending: list[Future] = []
+        self.gpu_update: GpuUpdate | None = None
+        self.set_embedding_update(cfg.embedding_update)
+        self._prefetch_block = min(PREFETCH_AT_BLOCK, model_args.n_layers - 1)
         self.set_routes(delivery=cfg.delivery, reduction=cfg.reduction)
 
         bf16 = dict(dtype=torch.bfloat16, device=device)
@@ -201,6 +208,8 @@ class SlideDPBackend:
         `chunk_mib` changes the chunk of the copy and update pipelines as well. A peer runtime
         style runs its own routes only."""
         self.style.check_routes(delivery, reduction)
+        if self.cfg.embedding_update == "gpu" and reduction != "gpu":
+            raise ValueError('slidedp.embedding_update = "gpu" needs slidedp.reduction = "gpu"')
         if reduction == "cpu" and not self.state.plan.cpu_staging:
             raise ValueError("reduction='cpu' needs the host staging region: start with "
                              "slidedp.reduction = 'cpu'")
@@ -220,6 +229,17 @@ class SlideDPBackend:
                                           max_unit=max(u.padded for u in self.layout.units),
                                           threads=self.optimizer.threads,
                                           barrier_per_chunk=self.style.barrier_per_chunk)
+
+    def set_embedding_update(self, where: EmbeddingUpdate) -> None:
+        """Switch slidedp.embedding_update between steps (the bench compares both in one build);
+        pending updates finish first, where they were to run."""
+        cfg = replace(self.cfg, embedding_update=where)
+        check_embedding_update(cfg, grad_accum_steps=self._accum_steps)
+        self._drain()
+        self.cfg = cfg
+        self.gpu_update = (GpuUpdate(self.state, self.streams, self.optimizer.hyper,
+                                     self.layout.embed, rank=self.rank, world=self.world,
+                                     traffic=self.traffic) if where == "gpu" else None)
 
     def set_update_order(self, name: UpdateOrderName) -> None:
         """Switch slidedp.update_order between steps (the bench compares the orders in one
@@ -441,10 +461,13 @@ class SlideDPBackend:
         """One micro-batch's gradient of the unit comes home and waits where `hold` says (with
         "none" it is applied as it arrives); returns what the unit's update needs."""
         last = micro == n_micro - 1
+        on_gpu = self._updated_on_gpu(unit)
         with self._timed("grad_job_s"):
             # One micro-batch: the route's gradient is the step's, so the route takes its norm
             # (on the GPU, or inside the host sum). Accumulated: the last accumulation pass.
-            returned = route.start(unit, flat, ready, token, norm=n_micro == 1)
+            returned = route.start(unit, flat, ready, token, norm=n_micro == 1, home=not on_gpu)
+            if on_gpu:
+                return returned  # the reduced shard waits on the GPU for its update there
             if hold in ("shadow", "grad_bf16"):
                 lo, hi = unit.shard(self.rank, self.world)
                 return route.copy_home(returned, self.state.unit_view(hold, unit.index, lo, hi))
@@ -472,6 +495,14 @@ class SlideDPBackend:
         """The unit's update from where its gradient waited (scaled by `coef`); a skipped
         step's only restores what held the gradient and opens the version gate."""
         held = returned.result()
+        if self._updated_on_gpu(unit):
+            if skip:
+                self.gpu_update.drop()
+                self._set_version(unit, version, tail)
+            else:
+                self._update_on_gpu(route, held, coef=coef, lr=lr, adam_step=adam_step,
+                                    version=version, tail=tail)
+            return
         if not skip:
             self._update(unit, self._held_grads(unit, hold, route, held), coef=coef, lr=lr,
                          adam_step=adam_step, version=version, tail=tail)
@@ -508,6 +539,21 @@ class SlideDPBackend:
             for lo, hi, g in grads:
                 self.optimizer.update(unit.host_offset + lo, unit.host_offset + hi, g,
                                       step=adam_step, lr=lr, grad_scale=coef)
+        self._set_version(unit, version, tail)
+
+    def _updated_on_gpu(self, unit: Unit) -> bool:
+        return self.gpu_update is not None and unit.index == self.gpu_update.unit.index
+
+    def _update_on_gpu(self, route: GradientReturn, returned: Returned, *, coef: float,
+                       lr: float, adam_step: int, version: int, tail: _UpdateTail) -> None:
+        """The embedding's AdamW on the GPU (slidedp/gpu_update.py); its version gate opens
+        once the delivery source is home."""
+        unit = returned.unit
+        self._wait_save(unit, version)
+        with self._timed("gpu_update_s"):
+            self.gpu_update.update(returned.shard, self.streams.record(route.stream), coef=coef,
+                                   lr=lr, step=adam_step)
+        returned.shard = None
         self._set_version(unit, version, tail)
 
     def _set_version(self, unit: Unit, version: int, tail: _UpdateTail) -> None:
@@ -575,6 +621,8 @@ class SlideDPBackend:
             elif use.phase == "fwd":
                 h = self._block_forward(unit, use, h, rope, saved)
             else:
+                if self.gpu_update is not None and unit.index - 1 == self._prefetch_block:
+                    self.gpu_update.prefetch()  # the embedding's state, for its update
                 out, grad_in, leaves = saved.pop(unit.index)
                 torch.autograd.backward(out, grad_h)
                 (grad_h,) = grad_in
@@ -625,6 +673,8 @@ class SlideDPBackend:
         and keep the process from exiting: fail the releases and stop the counter waits. The
         offloaded activations and their host pool are freed now."""
         self.state.aborted.set()
+        if self.gpu_update is not None:
+            self.gpu_update.drop()
         for released in self._released:
             if not released.done():
                 released.set_exception(StepAborted("SlideDP: the step using this buffer failed"))
@@ -713,6 +763,8 @@ class SlideDPBackend:
         for fut in self._pending:
             fut.result()
         self._pending.clear()
+        if self.gpu_update is not None:
+            self.gpu_update.wait_home()
 
     def named_master_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._drain()
@@ -736,6 +788,8 @@ class SlideDPBackend:
             try:
                 for fut in pending:
                     fut.result()
+                if self.gpu_update is not None:
+                    self.gpu_update.wait_home()
                 save_shards(self.state, path, steps_done=steps, adam_steps=adam_steps,
                             units=units, unit_written=lambda u: self._save_gate.release(u.index))
             finally:

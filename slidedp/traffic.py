@@ -21,6 +21,10 @@ class Traffic:
     """Saved-activation bytes offloaded to host memory in forward (PCIe)."""
     offload_h2d: int = 0
     """Offloaded activation bytes brought back to the GPU for backward (PCIe)."""
+    gpu_update_h2d: int = 0
+    """FP32 master and moments copied to the GPU for its update of the embedding (PCIe)."""
+    gpu_update_d2h: int = 0
+    """The embedding's state copied home after its update on the GPU (PCIe)."""
 
     def __post_init__(self) -> None:
         self._reported = asdict(self)

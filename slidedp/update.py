@@ -105,10 +105,10 @@ class GradientReturn:
         return value
 
     def start(self, unit: Unit, flat_grad: torch.Tensor, ready: torch.cuda.Event | None,
-              token: int, *, norm: bool) -> Returned:
+              token: int, *, norm: bool, home: bool = True) -> Returned:
         """The part of the return that involves the other ranks, issued on the return stream.
         With `norm` the shard's squared norm joins `take_normsq` (the cpu route's at its first
-        sum)."""
+        sum). `home=False` (gpu route): the shard is used on the GPU and never copied home."""
         lo, hi = unit.shard(self.rank, self.world)
         with self.streams.use(self.stream):
             self.streams.wait(ready, self.stream)
@@ -130,7 +130,8 @@ class GradientReturn:
                 sq = torch.linalg.vector_norm(shard, dtype=torch.float32).square()
                 self._normsq = sq if self._normsq is None else self._normsq + sq
                 self._norm_done = self.streams.record(self.stream)
-            self.traffic.d2h += (hi - lo) * 2  # it goes home once, by chunks() or copy_home()
+            if home:  # it goes home once, by chunks() or copy_home()
+                self.traffic.d2h += (hi - lo) * 2
             return Returned(unit, token, shard=shard, norm=False)
 
     def copy_home(self, returned: Returned, into: torch.Tensor) -> torch.cuda.Event | None:

@@ -314,6 +314,77 @@ def test_update_orders_are_bit_identical(request, slidedp_runs, run):
         assert all(n > max_norm for r in results for n in r["grad_norms"])  # it did clip
 
 
+# The embedding's update on the device (slidedp.embedding_update = "gpu"): during backward
+# (nonfinite off, no clipping) and after it (clipping, or the guard alone), slowed host updates
+# outlasting backward, shadow on and off, both families (Qwen3's embedding is tied).
+_ON_GPU = {"embedding_update": "gpu", "update_delay_s": 0.002}
+CASES["test_embedding_updated_on_the_device[clipped]"] = Case(
+    2, "qwen3-debug", steps=3, accum=1, max_norm=0.05, variants=[
+        {**_ON_GPU, "delivery": "sharded"},
+        {**_ON_GPU, "delivery": "replicated", "bf16_shadow": False, "chunk_mib": ODD_CHUNK}])
+CASES["test_embedding_updated_on_the_device[during_backward]"] = Case(
+    3, "qwen2.5-debug", steps=3, accum=1, max_norm=0.0, variants=[
+        {**_ON_GPU, "nonfinite": "off"},
+        {**_ON_GPU, "nonfinite": "off", "bf16_shadow": False, "delivery": "replicated"},
+        {**_ON_GPU, "activation": "keep"}])
+
+
+@pytest.mark.parametrize("run", ["clipped", "during_backward"])
+def test_embedding_updated_on_the_device(request, slidedp_runs, run):
+    """The embedding's AdamW on the device equals `single`; no host update touches it, and its
+    state crosses PCIe as counted: 12 B/param there, 12 home plus the shadow's 2 when there is
+    one (the gradient never goes home)."""
+    case, results = slidedp_runs(request.node.name)
+    ref_losses, ref_weights = single_reference(world=case.world, **case.kw)
+    assert_matches_reference(results, ref_losses, ref_weights)
+    if case.max_norm > 0:
+        assert all(n > case.max_norm for r in results for n in r["grad_norms"])  # it did clip
+    embed = StateLayout(get_flavor(case.flavor), world=case.world).embed
+    shard_mb = (embed.padded // case.world) / 2**20
+    for r in results:
+        assert r["updated_units"] and 0 not in r["updated_units"], r["variant"]
+        first = r["counters"][0]
+        assert first["traffic_gpu_update_h2d_mb"] == pytest.approx(12 * shard_mb)
+        # Counted by the report of the step during which it ran: the last step's update may
+        # come after the last report.
+        home = 14 if r["variant"].get("bf16_shadow", True) else 12
+        moved = sum(c.get("traffic_gpu_update_d2h_mb", 0.0) for c in r["counters"]) / shard_mb
+        steps = len(r["counters"])
+        assert any(moved == pytest.approx(home * n) for n in (steps - 1, steps)), (moved, r)
+        assert any(c.get("host_gpu_update_s", 0) > 0 for c in r["counters"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")
+@pytest.mark.parametrize("max_norm", [0.0, 0.05])
+def test_one_gpu_embedding_updated_on_the_device(tmp_path, max_norm):
+    """The CUDA path of the embedding's update: fused AdamW, the state's copies on their own
+    stream, the version gate opened when the delivery source is home."""
+    kw = dict(flavor="qwen3-debug", steps=3, accum=1, max_norm=max_norm)
+    results = run_workers(tmp_path, world=1, device="cuda", variants=[
+        {"embedding_update": "gpu", "nonfinite": "off", "activation": "keep"},
+        {"embedding_update": "gpu", "bf16_shadow": False}], **kw)
+    ref_losses, ref_weights = single_reference(world=1, device="cuda", **kw)
+    assert_matches_reference(results, ref_losses, ref_weights)
+    assert all(r["counters"][0]["traffic_gpu_update_h2d_mb"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("change,accum", [({"reduction": "cpu"}, 1), ({}, 2),
+                                          ({"runtime": "megatrain"}, 1)])
+def test_embedding_update_on_the_device_refuses_what_it_cannot_serve(change, accum):
+    """Said by the preflight check, and by the backend before it allocates anything."""
+    from recipes.config import ConfigError
+    from recipes.preflight import check_mode_options
+    from slidedp.engine import SlideDPBackend
+
+    cfg = make_config({"embedding_update": "gpu", **change}, accum=accum, max_norm=0.0)
+    cfg.parallelism.mode = "slidedp"
+    with pytest.raises(ConfigError, match="embedding_update"):
+        check_mode_options(cfg)
+    with pytest.raises(ValueError, match="embedding_update"):
+        SlideDPBackend(cfg, get_flavor("qwen3-debug"), device=torch.device("cpu"), dp_rank=0,
+                       dp_world=1)
+
+
 CASES["test_two_ranks_qwen25_activation_policies_with_accumulation_and_clipping"] = Case(
     2, "qwen2.5-debug", steps=3, accum=2, max_norm=0.5, variants=POLICY_VARIANTS)
 

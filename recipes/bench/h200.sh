@@ -10,6 +10,7 @@
 #         SlideDP's policies)
 #         long context: long4b long8b (one 262,144-token sequence, YaRN x8 over 32,768)
 #         host memory, the update order and the CPU Adam threads (one H200): clip8b tail4b threads8b
+#         the embedding's update on the GPU (one H200, issue 10's targets): embed
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
@@ -356,6 +357,23 @@ for stage in "$@"; do
     tail4b) timeout 240 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0 \
               --no-memory-check --points keep:1,2 "segments(qkv+attention_core+o_proj+mlp_up+down_proj):8" \
               --update-order arrival,next_use --steps 3 --label tail ;;
+    # The embedding's update on the GPU (slidedp.embedding_update, slidedp/gpu_update.py) against
+    # the host's, each point under both in one build, in one lease with FSDP2's peak and the
+    # no-recompute reference of Qwen3-4B at 8 sequences (call 8's best points, no clipping): the
+    # issue-10 targets, 1.10x FSDP2 and 0.95x the reference. SlideDP: AutoPolicy's call-8 pick
+    # (keep, 34-35 recompute, 2 slots), and keep everywhere with half of blocks 0-3 offloaded
+    # instead of the two replays. Then Qwen3-8B with clipping at 16: AutoPolicy's call-14 pick,
+    # where the embedding's 622M-parameter update is the first the next forward waits for.
+    embed)
+      python3 -m pytest -q -x tests/test_slidedp.py -k one_gpu_embedding
+      timeout 200 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 0 \
+        --no-memory-check --slots 2 --embedding-update host,gpu \
+        --points "keep|34-35:recompute:8" "keep|0-3:keep@offload=0.5:8"
+      timeout 90 "${bench[@]}" --mode fsdp2 --ac selective --batches 8 --kernels liger --flavor qwen3-4B --max-norm 0
+      timeout 80 "${bench[@]}" --mode reference --ac none --batches 8 --kernels liger --flavor qwen3-4B --max-norm 0
+      timeout 230 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 \
+        --no-memory-check --slots 2 --embedding-update host,gpu \
+        --points "recompute|0-9:keep, 28-35:selective:16" ;;
     # FSDP2 with torchtitan's op-level selective checkpointing, and with CPUOffloadPolicy (the
     # sharded FP32 state in host memory, AdamW on the CPU after backward: 8B fits one H200 then).
     sac4b) run --mode fsdp2 --ac selective --batches 2,4,8 --kernels liger --flavor qwen3-4B ;;

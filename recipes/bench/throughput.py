@@ -46,7 +46,7 @@ from recipes.preflight import check_mode_options, check_seq_len
 from recipes.train import SyntheticBatches, process_group_backend
 from slidedp.activations import format_blocks
 from slidedp.plan.autopolicy import MEASURED_STEPS, select_live
-from slidedp.config import RuntimeName
+from slidedp.config import EmbeddingUpdate, RuntimeName
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.update_order import UPDATE_ORDERS
 
@@ -109,6 +109,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.slidedp.window_slots, cfg.slidedp.chunk_mib = a.slots, a.chunk_mib
     cfg.slidedp.bf16_shadow = not a.no_shadow
     cfg.slidedp.update_order = a.update_order.split(",")[0]
+    cfg.slidedp.embedding_update = a.embedding_update.split(",")[0]
     cfg.slidedp.check_host_memory = not a.no_memory_check
     cfg.slidedp.autopolicy_candidates = a.autopolicy_candidates
     return cfg
@@ -165,6 +166,9 @@ def main() -> None:
     p.add_argument("--update-order", default="arrival",
                    help="slidedp: list of slidedp.update_order values (next_use, arrival), each "
                         "point run in each, one after the other, in the same build")
+    p.add_argument("--embedding-update", default="host",
+                   help="slidedp: list of slidedp.embedding_update values (host, gpu), each "
+                        "point measured under each in one build")
     p.add_argument("--cpu-threads", default="0",
                    help="slidedp: list of slidedp.cpu_threads values (0: the rank's share of the "
                         "cores), each point run with each in the same build; a count other than "
@@ -200,6 +204,8 @@ def main() -> None:
             raise ConfigError("--accum: deepspeed takes one micro-batch count per build")
         if set(a.update_order.split(",")) - set(UPDATE_ORDERS):
             raise ConfigError(f"--update-order: each one of {', '.join(UPDATE_ORDERS)}")
+        if set(a.embedding_update.split(",")) - set(get_args(EmbeddingUpdate)):
+            raise ConfigError("--embedding-update: each one of host, gpu")
         if not all(t.isdigit() for t in a.cpu_threads.split(",")):
             raise ConfigError("--cpu-threads: a list of counts >= 0")
     except ConfigError as e:
@@ -228,26 +234,30 @@ def main() -> None:
               f"{kernels.describe()} -> {attention_op}", flush=True)
     orders = a.update_order.split(",") if a.mode == "slidedp" else [None]
     thread_counts = [int(t) for t in a.cpu_threads.split(",")] if a.mode == "slidedp" else [0]
-    points = [(policy, blocks, b, int(n), order, threads) for policy, blocks, batches in _specs(a)
-              for b in batches for n in a.accum.split(",") for order in orders
-              for threads in thread_counts]
+    embeddings = a.embedding_update.split(",") if a.mode == "slidedp" else [None]
+    points = [(policy, blocks, b, int(n), order, threads, embedding)
+              for policy, blocks, batches in _specs(a) for b in batches
+              for n in a.accum.split(",") for order in orders for threads in thread_counts
+              for embedding in embeddings]
     context = dict(args=args, rank=rank, world=world, device=device)
     keys = dict(kernels=kernels.name, attention_op=attention_op, world=world, device=device)
     for route in routes:
         if a.mode == "slidedp":
             backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
-        for policy, blocks, batch, accum, order, threads in points:
+        for policy, blocks, batch, accum, order, threads, embedding in points:
             if a.mode == "slidedp":
                 backend.set_activation(default=policy, blocks=blocks,
                                        keep_blocks=a.keep_blocks)
                 backend.set_update_order(order)
                 backend.set_cpu_threads(threads)
+                backend.set_embedding_update(embedding)
             step = (runner.step if a.mode == "reference" else
                     _train_step(backend, accum=accum, tokens=batch * a.seq * world))
             measured = _measure(a, step, batch=batch,
                                 name=f"{a.mode}_{route.replace('/', '-')}_b{batch}x{accum}", **context)
             slidedp = dict(activation_blocks=blocks, keep_blocks=a.keep_blocks,
                            slots=a.slots, chunk_mib=a.chunk_mib, update_order=order,
+                           embedding_update=embedding,
                            **_runtime_state(a, backend, args)) if a.mode == "slidedp" else {}
             row = _row(a, args=args, route=route, ac=a.ac if a.mode != "slidedp" else policy,
                        batch=batch, accum=accum, slidedp=slidedp, measured=measured,
@@ -345,7 +355,8 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
     """One measured point as a JSONL row (its configuration, then what was measured)."""
     step_time = measured["step_time_s"]
     none = dict.fromkeys(("activation_blocks", "keep_blocks", "slots", "chunk_mib",
-                          "update_order", "runtime", "bf16_shadow", "cpu_threads"))
+                          "update_order", "embedding_update", "runtime", "bf16_shadow",
+                          "cpu_threads"))
     return {"mode": a.mode, "label": a.label if label is None else label, "flavor": a.flavor,
             "route": route, "kernels": kernels, "attention_op": attention_op, "ac": ac,
             **{**none, **slidedp},
@@ -374,6 +385,7 @@ def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args:
                            keep_blocks=a.keep_blocks)
     backend.set_update_order(cfg.slidedp.update_order)
     backend.set_cpu_threads(int(a.cpu_threads.split(",")[0]))
+    backend.set_embedding_update(cfg.slidedp.embedding_update)
     chosen = select_live(backend, cfg, args, flavor=a.flavor, device=device, rank=rank,
                          world=world, group=dist.group.WORLD if world > 1 else None,
                          out=os.path.join(os.path.dirname(a.out) or ".",
@@ -386,7 +398,7 @@ def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args:
                         world=world, device=device)
     slidedp = dict(activation_blocks=format_blocks(policies, policies[0]), keep_blocks=0,
                    slots=s.window_slots, chunk_mib=s.chunk_mib, update_order=cfg.slidedp.update_order,
-                   **_runtime_state(a, backend, args))
+                   embedding_update=cfg.slidedp.embedding_update, **_runtime_state(a, backend, args))
     row = _row(a, args=args, route=f"{s.delivery}/{s.reduction}", ac=policies[0].name,
                batch=a.autopolicy, accum=1, slidedp=slidedp, label="autopolicy",
                measured={**measured, "selection_s": chosen["selection_s"],
@@ -408,6 +420,8 @@ def system_name(row: dict) -> str:
         name += f" ZeRO-{row['zero_stage']}"
     if row.get("update_order") == "next_use":  # not the default slidedp.update_order
         name += " next_use"
+    if row.get("embedding_update") == "gpu":  # not the default slidedp.embedding_update
+        name += " gpu-embedding"
     return name + (f" {row['label']}" if row.get("label") else "")
 
 

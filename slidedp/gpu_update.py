@@ -1,0 +1,130 @@
+"""The embedding's AdamW on the GPU (slidedp.embedding_update = "gpu").
+
+The embedding's gradient is the last of backward to be complete (tied, it holds the head's too),
+and the next forward needs the embedding first, so its host update is the step's tail: on one
+H200 with Qwen3-4B at 8 sequences, 0.11 s of a 1.81 s step (docs/PERFORMANCE.md), the CPU Adam
+over 389M parameters at ~5 Gparam/s, memory-bound. The GPU does the same AdamW in milliseconds
+if the state is there. So this rank's shard of the unit's FP32 master and moments (12 B/param)
+is copied to the GPU while the last blocks' backward runs (`prefetch`), updated there by
+torch's fused AdamW (the formula of csrc/cpu_adam.cpp, which follows torch's), and copied home
+(`update`): the delivery source first (the BF16 shadow, or the FP32 master without one), whose
+arrival opens the unit's version gate, then the rest of the FP32 state, whose arrival
+(`wait_home`) saves and the next step's prefetch wait for. Semantics are those of the host
+update: the same gradient, clipping coefficient, learning rate and step count.
+
+On the CPU (tests) the "device" copies are ordinary tensors and every copy is synchronous.
+"""
+
+from typing import get_args
+
+import torch
+from torch.optim.adamw import adamw
+
+from slidedp.config import EmbeddingUpdate, SlideDPConfig
+from slidedp.host_state import SharedHostState
+from slidedp.layout import Unit
+from slidedp.streams import Streams
+from slidedp.traffic import Traffic
+from slidedp.update import AdamHyper
+
+PREFETCH_AT_BLOCK = 4
+"""The state's copy to the GPU is issued when backward reaches this block: the backward of the
+blocks before it hides the copy, and by then nearly every saved activation is freed."""
+
+GPU_CHUNK = 1 << 26
+"""Elements per piece of the update: bounds its FP32 gradient temporary (256 MiB)."""
+
+
+def check_embedding_update(cfg: SlideDPConfig, *, grad_accum_steps: int) -> None:
+    """Refuse what the GPU update cannot serve, before anything is allocated."""
+    if cfg.embedding_update not in get_args(EmbeddingUpdate):
+        raise ValueError(f"slidedp.embedding_update must be one of {get_args(EmbeddingUpdate)}, "
+                         f"got {cfg.embedding_update!r}")
+    if cfg.embedding_update == "host":
+        return
+    # The update needs the summed gradient shard on the GPU: the gpu route, one micro-batch
+    # (accumulated gradients are summed on the host), FP32 master weights.
+    if cfg.runtime != "slidedp" or cfg.reduction != "gpu" or grad_accum_steps != 1:
+        raise ValueError('slidedp.embedding_update = "gpu" needs slidedp.runtime = "slidedp", '
+                         'slidedp.reduction = "gpu" and training.grad_accum_steps = 1 (got '
+                         f'{cfg.runtime!r}, {cfg.reduction!r}, {grad_accum_steps})')
+
+
+class GpuUpdate:
+    """AdamW of one unit's shard (this rank's) on the GPU; one step at a time."""
+
+    def __init__(self, state: SharedHostState, streams: Streams, hyper: AdamHyper, unit: Unit, *,
+                 rank: int, world: int, traffic: Traffic):
+        self.state, self.streams, self.hyper, self.unit = state, streams, hyper, unit
+        self.traffic = traffic
+        self.lo, self.hi = unit.shard(rank, world)
+        self.stream = streams.new_stream()
+        self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._home: torch.cuda.Event | None = None
+
+    def _host(self, region: str, a: int, b: int) -> torch.Tensor:
+        start = self.unit.host_offset
+        return self.state.regions[region][start + a:start + b]
+
+    def prefetch(self) -> None:
+        """Copy the shard's master and moments to the GPU on the update stream (compute thread,
+        during backward). The copies are allocated on the compute stream, so the memory goes back
+        to the common pool once the update has used them; the stream orders them after the
+        previous step's copies home. Once per step: later calls do nothing."""
+        if self._pieces is not None:
+            return
+        pieces = []
+        for a in range(self.lo, self.hi, GPU_CHUNK):
+            b = min(a + GPU_CHUNK, self.hi)
+            copies = [torch.empty(b - a, dtype=torch.float32, device=self.streams.device)
+                      for _ in range(3)]
+            with self.streams.use(self.stream):
+                for copy, region in zip(copies, ("master", "exp_avg", "exp_avg_sq")):
+                    if self.streams.is_cuda:
+                        copy.record_stream(self.stream)
+                    copy.copy_(self._host(region, a, b), non_blocking=True)
+            pieces.append((a, b, *copies))
+        self.traffic.gpu_update_h2d += (self.hi - self.lo) * 12
+        self._pieces = pieces
+
+    def drop(self) -> None:
+        """Forget the prefetched copies (a skipped step, or a failed one)."""
+        self._pieces = None
+
+    def update(self, grad: torch.Tensor, ready: torch.cuda.Event | None, *, coef: float,
+               lr: float, step: int) -> None:
+        """AdamW of the shard with `grad` (its BF16 summed gradient on the GPU, complete at
+        `ready`) scaled by `coef`, at Adam step `step`. Returns once the delivery source is
+        home (the caller then opens the version gate); the FP32 state follows (`wait_home`)."""
+        self.prefetch()  # issued at PREFETCH_AT_BLOCK unless the model has fewer blocks
+        pieces, self._pieces = self._pieces, None
+        h, source = self.hyper, "shadow" if self.state.plan.bf16_shadow else "master"
+        with self.streams.use(self.stream):
+            self.streams.wait(ready, self.stream)
+            if self.streams.is_cuda:
+                grad.record_stream(self.stream)
+            for a, b, param, exp_avg, exp_avg_sq in pieces:
+                g = grad[a - self.lo:b - self.lo].float()
+                if coef != 1.0:
+                    g.mul_(coef)
+                # The step count as torch keeps it: the kernel adds one before using it.
+                count = torch.full((), float(step - 1), device=param.device)
+                adamw([param], [g], [exp_avg], [exp_avg_sq], [], [count], fused=True,
+                      amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=lr,
+                      weight_decay=h.weight_decay, eps=h.eps, maximize=False)
+                target = self._host(source, a, b)
+                target.copy_(param if source == "master" else param.to(torch.bfloat16),
+                             non_blocking=True)
+            source_home = self.streams.record(self.stream)
+            for a, b, param, exp_avg, exp_avg_sq in pieces:
+                for copy, region in ((param, "master"), (exp_avg, "exp_avg"),
+                                     (exp_avg_sq, "exp_avg_sq")):
+                    if region != source:
+                        self._host(region, a, b).copy_(copy, non_blocking=True)
+            self._home = self.streams.record(self.stream)
+        self.traffic.gpu_update_d2h += (self.hi - self.lo) * (14 if source == "shadow" else 12)
+        Streams.synchronize(source_home)
+
+    def wait_home(self) -> None:
+        """Block until the last update's FP32 state is in host memory."""
+        Streams.synchronize(self._home)
