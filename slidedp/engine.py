@@ -441,14 +441,16 @@ class SlideDPBackend:
         flat[unit.numel:].zero_()
         ready = self.streams.record()
         step = dict(lr=lr, adam_step=self.adam_steps + 1, version=self.steps_done + 1, tail=tail)
+        job = self._gpu_return_job if self._updated_on_gpu(unit) else self._return_job
         returned = self._queue.add_return(partial(
-            self._return_job, self.grad_return, unit, flat, ready, self._token, micro=micro,
+            job, self.grad_return, unit, flat, ready, self._token, micro=micro,
             n_micro=n_micro, hold=hold, **step))
         self._returns.append(returned)
         if micro < n_micro - 1:
             return
         self._returned[unit.index] = returned
-        if not self.deferred and hold != "none":  # runnable once the gradient is home
+        # Runnable once the gradient is home (the GPU's update runs in its return job).
+        if not self.deferred and hold != "none" and not self._updated_on_gpu(unit):
             self._queue_update(unit, hold, returned, coef=1.0, skip=False, **step)
 
     def _queue_update(self, unit: Unit, hold: Hold, returned: Future, **kw) -> None:
@@ -461,13 +463,10 @@ class SlideDPBackend:
         """One micro-batch's gradient of the unit comes home and waits where `hold` says (with
         "none" it is applied as it arrives); returns what the unit's update needs."""
         last = micro == n_micro - 1
-        on_gpu = self._updated_on_gpu(unit)
         with self._timed("grad_job_s"):
             # One micro-batch: the route's gradient is the step's, so the route takes its norm
             # (on the GPU, or inside the host sum). Accumulated: the last accumulation pass.
-            returned = route.start(unit, flat, ready, token, norm=n_micro == 1, home=not on_gpu)
-            if on_gpu:
-                return returned  # the reduced shard waits on the GPU for its update there
+            returned = route.start(unit, flat, ready, token, norm=n_micro == 1)
             if hold in ("shadow", "grad_bf16"):
                 lo, hi = unit.shard(self.rank, self.world)
                 return route.copy_home(returned, self.state.unit_view(hold, unit.index, lo, hi))
@@ -488,6 +487,19 @@ class SlideDPBackend:
         self._update(unit, route.chunks(returned), coef=1.0, lr=lr, adam_step=adam_step,
                      version=version, tail=tail)
         return None
+
+    def _gpu_return_job(self, route: GradientReturn, unit: Unit, flat: torch.Tensor, ready,
+                        token: int, *, lr: float, adam_step: int, version: int,
+                        tail: _UpdateTail, **_) -> Returned:
+        """The return of a unit the GPU updates (one micro-batch): reduced there, never copied
+        home, and updated at once, ahead of any host update left over (the next forward needs
+        it first), or, deferred, by its update job after the step's norm."""
+        with self._timed("grad_job_s"):
+            returned = route.start(unit, flat, ready, token, norm=True, home=False)
+        if not self.deferred:
+            self._update_on_gpu(route, returned, coef=1.0, lr=lr, adam_step=adam_step,
+                                version=version, tail=tail)
+        return returned
 
     def _update_job(self, route: GradientReturn, unit: Unit, hold: Hold, returned: Future, *,
                     coef: float, skip: bool, lr: float, adam_step: int, version: int,

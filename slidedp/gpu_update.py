@@ -59,6 +59,8 @@ class GpuUpdate:
         self.traffic = traffic
         self.lo, self.hi = unit.shard(rank, world)
         self.stream = streams.new_stream()
+        # Pinned, so the copies are DMA on the stream, not staged by the issuing thread.
+        state.pin_unit(unit.index, ("master", "exp_avg", "exp_avg_sq"))
         self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._home: torch.cuda.Event | None = None
 

@@ -242,11 +242,28 @@ class SharedHostState:
         self.aborted = threading.Event()  # this rank's step failed: runtime threads stop waiting
         self.grad_lock = HostLock(rank=rank, share=share, barrier=barrier) if plan.grad_lock else None
         self._registered: list[int] = []
+        self._pin = pin
+        self._pinned: set[tuple[str, int | None]] = set()  # (region, unit or None: all of it)
         if pin:
             for name in ("shadow", "grad_bf16", "staging", "master"):
                 if name in self.regions and (name != "master" or not plan.bf16_shadow):
                     # The DMA engines read and write the shared bytes directly.
                     self._registered.append(register_host(self.regions[name]))
+                    self._pinned.add((name, None))
+
+    def pin_unit(self, unit_index: int, regions: tuple[str, ...]) -> None:
+        """Register a unit's range of `regions` as pinned memory too (the GPU update copies them
+        to and from the GPU), unless already registered; nothing without `pin`."""
+        for name in regions:
+            if not self._pin or {(name, None), (name, unit_index)} & self._pinned:
+                continue
+            # Whole pages: the region starts on a page, the unit's range need not.
+            base, unit = self.regions[name], self.layout.units[unit_index]
+            page = 4096 // base.element_size()
+            start = unit.host_offset // page * page
+            end = min(base.numel(), -(-(unit.host_offset + unit.padded) // page) * page)
+            self._registered.append(register_host(base[start:end]))
+            self._pinned.add((name, unit_index))
 
     def __getattr__(self, name: str) -> torch.Tensor:
         regions = self.__dict__.get("regions", {})
