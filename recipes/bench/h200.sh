@@ -11,7 +11,7 @@
 #         long context: long4b long8b (one 262,144-token sequence, YaRN x8 over 32,768)
 #         host memory, the update order and the CPU Adam threads (one H200): clip8b tail4b threads8b
 #         the embedding's update on the GPU (one H200, issue 10's targets): embed
-#         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b
+#         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b h2h (the head-to-head, one lease)
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
 #         issue 14, 2-8 GPUs of one host (one device call per machine kind, below): multi8b multi14b
@@ -397,6 +397,22 @@ for stage in "$@"; do
               --flavor qwen3-4B
             run --mode deepspeed --zero-stage 3 --ac full --batches 4,16 --kernels liger --flavor qwen3-4B ;;
     zero8b) run --mode deepspeed --zero-stage 2 --ac full --batches 4,16 --kernels liger --flavor qwen3-8B ;;
+    # The matched-batch head-to-head again (Qwen3-4B, clipping at 1.0), in one lease: ZeRO-2
+    # Offload at its best setting per batch in calls 12-13 (full AC at 1, 8, 16; none at 2, 4),
+    # SlideDP `keep` with the embedding's update on the host and on the GPU at 1-8, and the
+    # keep/selective mix at 16. Rows are labelled with recipes/reproduce's system names, so
+    # `head_to_head --rows` makes the table from them. Needs dsinstall first.
+    h2h) h=(--kernels liger --flavor qwen3-4B --seq 4096 --max-norm 1.0 --steps 2 --warmup 1 --no-memory-check)
+         timeout 150 "${bench[@]}" "${h[@]}" --mode slidedp --activation keep --batches 1,2,4,8 \
+           --embedding-update gpu --label slidedp-keep-gpuembed
+         timeout 100 "${bench[@]}" "${h[@]}" --mode slidedp --activation selective --keep-blocks 14 \
+           --batches 16 --embedding-update gpu --label slidedp-selective-keep14-gpuembed
+         timeout 150 "${bench[@]}" "${h[@]}" --mode deepspeed --zero-stage 2 --ac full --batches 1,8,16 \
+           --label zero2-offload
+         timeout 90 "${bench[@]}" "${h[@]}" --mode deepspeed --zero-stage 2 --ac none --batches 2,4 \
+           --label zero2-offload-noac
+         timeout 90 "${bench[@]}" "${h[@]}" --mode slidedp --activation keep --batches 1,2,4,8 \
+           --label slidedp-keep ;;
     plan) plan_stage ;;
     multi8b|multi14b|strong14b|weak32b|million|castcopy) "$stage" ;;
     routes14b) routes 4 8,16 200 ;;

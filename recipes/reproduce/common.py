@@ -44,6 +44,15 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
     System("slidedp-recompute", "slidedp", ("--mode", "slidedp", "--activation", "recompute")),
     System("slidedp-selective", "slidedp", ("--mode", "slidedp", "--activation", "selective")),
     System("slidedp-keep", "slidedp", ("--mode", "slidedp", "--activation", "keep")),
+    # The embedding's AdamW on the GPU (slidedp.embedding_update): with clipping, its update is
+    # the first the next forward waits for.
+    System("slidedp-keep-gpuembed", "slidedp", ("--mode", "slidedp", "--activation", "keep",
+                                                "--embedding-update", "gpu")),
+    # A keep/selective mix sized for 16 sequences of Qwen3-4B (14 kept blocks of 6.9 GiB each),
+    # where `keep` everywhere does not fit.
+    System("slidedp-selective-keep14-gpuembed", "slidedp",
+           ("--mode", "slidedp", "--activation", "selective", "--keep-blocks", "14",
+            "--embedding-update", "gpu")),
     System("fsdp2-none", "fsdp2", ("--mode", "fsdp2", "--ac", "none")),
     System("fsdp2-selective", "fsdp2", ("--mode", "fsdp2", "--ac", "selective")),
     System("fsdp2-full", "fsdp2", ("--mode", "fsdp2", "--ac", "full")),
