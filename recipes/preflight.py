@@ -166,8 +166,7 @@ def check_device_memory(config: JobConfig, args: QwenArgs, *, world: int, capaci
     if est.total <= capacity * REFUSE_ABOVE:
         return
     mode = config.parallelism.mode
-    parts = (f"resident {_gib(est.resident)}, gradients {_gib(est.gradients)}, activations "
-             f"{_gib(est.activations)}, logits {_gib(est.logits)}")
+    parts = est.parts(_gib)
     fits = largest_fitting_batch(config, args, world=world, capacity=capacity, kernels=kernels)
     if fits:
         advice = (f"training.local_batch_size = {fits} fits (raise training.grad_accum_steps "

@@ -12,7 +12,9 @@ import torch
 from models.flavors import FLAVORS, get_flavor
 from models.kernels import TORCH_KERNELS
 from recipes.config import JobConfig
-from slidedp.activations import KEEP, measure_costs, parse_policy
+from slidedp.activations import KEEP, RECOMPUTE, measure_costs, parse_policy
+from slidedp.gpu_update import GPU_CHUNK
+from slidedp.layout import StateLayout
 from slidedp.plan.memory import activation_bytes, estimate_device_memory, rebuilt_bytes
 from tests.conftest import REPO
 
@@ -122,3 +124,40 @@ def test_segment_mask_peaks_on_the_h200():
                                      kernels=r["kernels"])
         assert 1.0 < est.total / GiB / r["peak_mem_alloc_gib"] < 1.10, r
 
+
+
+def _embedding_update_config(*, batch: int, activation: str, where: str) -> JobConfig:
+    config = JobConfig()
+    config.parallelism.mode = "slidedp"
+    config.training.local_batch_size, config.training.seq_len = batch, 4096
+    config.slidedp = dataclasses.replace(config.slidedp, activation=activation,
+                                         embedding_update=where)
+    return config
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_embeddings_state_on_the_device_is_a_later_peak(world):
+    """slidedp.embedding_update = "gpu" with Qwen3-4B (tied: 389M parameters in the embedding):
+    from the backward of block 4 on, this rank's shard at 12 B/param and a GPU_CHUNK piece of
+    the gradient in FP32 and BF16, beside blocks 0-4's activations (what the other 31 blocks kept
+    is freed by then). At one sequence under recompute, on one rank it is above backward's start
+    and the estimate grows by the difference; on two the half shard stays below. At eight
+    sequences under keep it is far below, and nothing changes."""
+    args = FLAVORS["qwen3-4B"]
+    shard = StateLayout(args, world=world).embed.padded // world
+    state = 12 * shard + 6 * min(shard, GPU_CHUNK)
+    block = activation_bytes(args, RECOMPUTE, compute_bytes=2, kernels="liger")[0].at(1, 4096)
+    host, gpu = (estimate_device_memory(
+        _embedding_update_config(batch=1, activation="recompute", where=where), args,
+        world=world, kernels="liger") for where in ("host", "gpu"))
+    assert host.after_prefetch == 0 and dataclasses.replace(gpu, after_prefetch=0) == host
+    assert gpu.after_prefetch == pytest.approx(state + host.activations - 31 * block, abs=2)
+    backward_start = host.activations + host.logits
+    if world == 1:
+        assert gpu.total - host.total == gpu.after_prefetch - backward_start > 0
+    else:
+        assert gpu.after_prefetch < backward_start and gpu.total == host.total
+    host, gpu = (estimate_device_memory(
+        _embedding_update_config(batch=8, activation="keep", where=where), args, world=world,
+        kernels="liger") for where in ("host", "gpu"))
+    assert 0 < gpu.after_prefetch < gpu.activations and gpu.total == host.total

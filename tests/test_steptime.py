@@ -1,6 +1,7 @@
 """The step-time model (slidedp/plan/steptime.py, simulate.py) against steps computed by hand:
 pure compute, a host-bound step, a slot-release stall, an offload-bound step; and its lower
-bounds and routes; the attention core at a measured attention rate (slidedp/plan/workload.py)."""
+bounds and routes; the attention core at a measured attention rate (slidedp/plan/workload.py);
+the embedding's update on the GPU."""
 
 from dataclasses import replace
 
@@ -10,7 +11,7 @@ from models.flavors import get_flavor
 from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.plan.rates import Machine, Rates, load_rates, timing_key
 from slidedp.plan.simulate import Simulation
-from slidedp.plan.steptime import STEP_EDGE_S, StepSpec, simulate_step
+from slidedp.plan.steptime import ADAM_BYTES, GPU_ADAM_BYTES, STEP_EDGE_S, StepSpec, simulate_step
 from slidedp.plan.workload import MicroBatchWork, Workload, segment_flops
 
 FAST = 1e9  # GB/s: a link that takes no time
@@ -148,3 +149,59 @@ def test_a_measured_attention_rate_times_the_attention_core_apart():
     other = Workload(timed, args, flavor="qwen3-8B", kernels="liger", seq=4096)
     assert other.block(RECOMPUTE, batch) == Workload(base, args, flavor="qwen3-8B",
                                                      kernels="liger", seq=4096).block(RECOMPUTE, batch)
+
+
+EMBED = 10_000_000  # a tied embedding (it carries the head's gradient) much larger than a block
+
+
+def embedding_cases(**changes):
+    """A small model whose embedding's host AdamW (0.5 s, BF16 gradient) is the step's tail, with
+    the embedding's update on the host and on the GPU; a slot per block (nothing re-delivered in
+    backward) and one chunk per unit."""
+    r = rates(adam_gparams={4: EMBED / 0.5 / 1e9}, h2d_gbs=20, d2h_gbs=20, h2d_together_gbs=20,
+              d2h_together_gbs=20, hbm_gbs=4000)
+    s = spec(blocks=4, slots=4, block_elems=100_000, unit_elems=(EMBED, *[100_000] * 4, 128),
+             chunk_elems=1 << 24, **changes)
+    return r, s, simulate_step(s, r), simulate_step(replace(s, embedding_on_gpu=True), r)
+
+
+def test_the_embeddings_update_on_the_gpu_removes_the_host_tail():
+    """The host's 0.5 s of AdamW after the embedding's gradient becomes the GPU's (40 B/param at
+    4 TB/s); its gradient's 2 B/param home become the BF16 shadow's, so the step is shorter by
+    the difference. The CPU loses the embedding's AdamW; the links carry its state: 12 B/param
+    to the GPU, 2 + 12 home instead of the gradient's 2."""
+    r, s, host, gpu = embedding_cases()
+    adam_s, gpu_adam_s = 0.5, EMBED * GPU_ADAM_BYTES / 4000e9
+    assert host.step_s - gpu.step_s == pytest.approx(adam_s - gpu_adam_s, rel=1e-4)
+    assert host.regime == "host-bound" and gpu.regime == "gpu-bound"
+    assert host.demand_s["cpu update"] - gpu.demand_s["cpu update"] == pytest.approx(adam_s)
+    assert gpu.demand_s["gpu compute"] - host.demand_s["gpu compute"] == pytest.approx(gpu_adam_s)
+    moved = 12 * EMBED / 20e9
+    for link in ("h2d per GPU", "d2h per GPU"):
+        assert gpu.demand_s[link] - host.demand_s[link] == pytest.approx(moved)
+        assert gpu.busy_s[link] - host.busy_s[link] == pytest.approx(moved, rel=1e-3)
+
+
+def test_the_embeddings_deferred_update_on_the_gpu_comes_first_after_the_norm():
+    """With clipping every update waits for the step's norm; the next forward waits for the
+    embedding's, the first (forward order). Host: its gradient home (2 B/param) and summed into
+    the FP32 buffer as backward ends, its AdamW with that FP32 gradient after the norm; GPU: after
+    the norm its AdamW there and the shadow home (2 B/param), which the blocks' host updates
+    follow. The step is shorter by the host's sum and AdamW less the GPU's."""
+    r, s, host, gpu = embedding_cases(deferred=True, grad_accum=True)
+    adam_s = 0.5 * ADAM_BYTES["fp32"] / ADAM_BYTES["bf16"]
+    sum_s = EMBED / r.grad_sum(s.threads)
+    gpu_adam_s = EMBED * GPU_ADAM_BYTES / 4000e9
+    assert host.step_s - gpu.step_s == pytest.approx(adam_s + sum_s - gpu_adam_s, rel=1e-4)
+    assert host.regime == "host-bound" and gpu.regime == "gpu-bound"
+    assert host.demand_s["cpu update"] - gpu.demand_s["cpu update"] == pytest.approx(adam_s + sum_s)
+    assert gpu.demand_s["h2d per GPU"] - host.demand_s["h2d per GPU"] == pytest.approx(
+        12 * EMBED / 20e9)
+    assert gpu.demand_s["d2h per GPU"] - host.demand_s["d2h per GPU"] == pytest.approx(
+        14 * EMBED / 20e9 - 2 * EMBED / 20e9)
+
+
+def test_the_embeddings_update_on_the_gpu_needs_the_gpu_route_and_one_micro_batch():
+    for change in (dict(reduction="cpu"), dict(micro_batches=2)):
+        with pytest.raises(ValueError, match="embedding's update on the GPU"):
+            simulate_step(spec(embedding_on_gpu=True, **change), rates())

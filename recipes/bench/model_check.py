@@ -55,12 +55,15 @@ ARTIFACTS = {
 }
 """Recorded rows a bench artifact spoiled: (file, label, local batch, accum) -> why."""
 KEY = ("mode", "runtime", "flavor", "kernels", "route", "ac", "activation_blocks", "keep_blocks",
-       "slots", "chunk_mib", "world", "seq", "local_batch", "accum", "max_norm", "nonfinite")
+       "slots", "chunk_mib", "world", "seq", "local_batch", "accum", "max_norm", "nonfinite",
+       "embedding_update")
 """What identifies a point in the predicted and the measured rows alike."""
 DEFAULTS = {"runtime": "slidedp", "activation_blocks": "", "keep_blocks": 0, "slots": 3,
-            "chunk_mib": 32.0, "accum": 1, "max_norm": 0.0, "nonfinite": "off"}
+            "chunk_mib": 32.0, "accum": 1, "max_norm": 0.0, "nonfinite": "off",
+            "embedding_update": "host"}
 """For rows from before the bench recorded a key: its defaults, and max_norm 0 as every SlideDP
-stage of h200.sh ran then (the non-finite guard did not exist)."""
+stage of h200.sh ran then (the non-finite guard did not exist; nor the embedding's update on
+the GPU)."""
 
 
 def _get(row: dict, key: str):
@@ -96,6 +99,7 @@ def config_of(row: dict) -> JobConfig:
         s.activation, s.keep_blocks = row["ac"], _get(row, "keep_blocks")
         s.activation_blocks = _get(row, "activation_blocks")
         s.window_slots, s.chunk_mib = _get(row, "slots"), _get(row, "chunk_mib")
+        s.embedding_update = _get(row, "embedding_update")
     return cfg
 
 
@@ -128,7 +132,8 @@ def _updates(row: dict) -> str:
     if row["mode"] != "slidedp":
         return "-"
     deferred = _get(row, "max_norm") > 0 or _get(row, "nonfinite") != "off"
-    return "deferred" if deferred else "in backward"
+    where = ", embedding on the GPU" if _get(row, "embedding_update") == "gpu" else ""
+    return ("deferred" if deferred else "in backward") + where
 
 
 HEADER = ["| rows | system | model | kernels | route | activations | updates | seq | seq/GPU | "

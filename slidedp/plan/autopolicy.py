@@ -235,7 +235,9 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
     config, args = job.config, job.args
     model = Model(config, args, job.flavor, kernels_for(config, rates), world, rates)
     base = setting_of(config)
-    routes = ([(d, r) for d in ("sharded", "replicated") for r in ("gpu", "cpu")] if world > 1
+    # The embedding's update on the GPU needs the gpu route.
+    reductions = ("gpu",) if config.slidedp.embedding_update == "gpu" else ("gpu", "cpu")
+    routes = ([(d, r) for d in ("sharded", "replicated") for r in reductions] if world > 1
               else [(base.delivery, "gpu")])
     slots = sorted({2, 3, 4, 6, base.window_slots})
     settings = [Setting(d, r, n, base.chunk_mib, shadow)

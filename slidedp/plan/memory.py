@@ -4,10 +4,16 @@ The start-up check (recipes/preflight.py) refuses a run whose estimate clearly e
 device (REFUSE_ABOVE), so the estimate only has to be right to within tens of percent; it is
 not a substitute for measuring peak memory.
 
-    total = resident + max(gradients, activations + logits)
+    total = resident + max(gradients, activations + logits, after_prefetch)
 
 Activations peak when backward starts and are freed block by block as the gradients fill in
 (the GPU-resident modes drop their gradients between steps), so the two never peak together.
+after_prefetch (slidedp.embedding_update = "gpu", else 0) is a later peak: this rank's shard of
+the embedding's FP32 master and moments (12 B/param) and its update's temporaries (an FP32 and
+a BF16 piece of the gradient, GPU_CHUNK elements at most) are on the device from the backward of
+block PREFETCH_AT_BLOCK (the last block if fewer) to the update, beside what is held then: the
+activations of the blocks not yet through backward, or the gradients when it ends (deferred
+updates: after the step's norm, and the next forward starts once it is done).
 
 resident and gradients, by mode (N = parameters, R = ranks, b = bytes of the compute dtype: 2
 for BF16, 4 for FP32):
@@ -94,6 +100,7 @@ from models.args import QwenArgs
 from models.qwen import BLOCK_SEGMENTS
 from slidedp.activations import (KEEP, RECOMPUTE, ActivationPolicy, Bytes, SavedOps, SegmentMask,
                                  block_policies)
+from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK
 from slidedp.host_state import HostStatePlan, updates_deferred
 from slidedp.layout import StateLayout, chunk_elems
 from slidedp.peer_styles import RUNTIME_STYLES
@@ -279,10 +286,22 @@ class MemoryEstimate:
     """Saved activations of one micro-batch when backward starts, plus one rebuilt block."""
     logits: int
     """One chunk of the loss's logits and their gradient."""
+    after_prefetch: int = 0
+    """slidedp.embedding_update = "gpu": the embedding's state and update on the device, with
+    the activations or gradients held beside them (module docstring); else 0."""
 
     @property
     def total(self) -> int:
-        return self.resident + max(self.gradients, self.activations + self.logits)
+        return self.resident + max(self.gradients, self.activations + self.logits,
+                                   self.after_prefetch)
+
+    def parts(self, gib: Callable[[int], str]) -> str:
+        """The parts in words, each size written by `gib`, as the plan and the preflight print
+        them."""
+        prefetch = (f", after the embedding's prefetch {gib(self.after_prefetch)}"
+                    if self.after_prefetch else "")
+        return (f"resident {gib(self.resident)}, gradients {gib(self.gradients)}, activations "
+                f"{gib(self.activations)}, logits {gib(self.logits)}{prefetch}")
 
 
 @dataclass(frozen=True)
@@ -382,15 +401,31 @@ def estimate_device_memory(config, args: QwenArgs, *, world: int, kernels: Kerne
         return rebuilt_bytes(args, policy, compute_bytes=compute_bytes,
                              kernels=kernels).at(batch, seq) / tokens
 
-    # One block is in backward at a time: the largest rebuild of any block's policy.
-    per_token = sum(per_block(p) for p in policies) + max(rebuilt(p) for p in set(policies))
-    per_token += _stream_bytes_per_token(args, compute_bytes=compute_bytes)
+    def held(blocks: list[ActivationPolicy]) -> int:
+        """Bytes while `blocks` are still to go through backward: what they keep, the largest
+        rebuild (one block is in backward at a time), the stream outside the blocks."""
+        per_token = (sum(per_block(p) for p in blocks) + max(rebuilt(p) for p in set(blocks))
+                     + _stream_bytes_per_token(args, compute_bytes=compute_bytes))
+        return math.ceil(tokens * per_token)
+
     resident, gradients = _resident_and_gradients(config, args, world=world,
                                                    compute_bytes=compute_bytes)
+    update = _embedding_update_bytes(config, args, world=world)
+    prefetch_at = min(PREFETCH_AT_BLOCK, args.n_layers - 1)
     return MemoryEstimate(
-        resident=resident, gradients=gradients, activations=math.ceil(tokens * per_token),
+        resident=resident, gradients=gradients, activations=held(policies),
         logits=(min(training.loss_chunk_tokens, tokens) * args.vocab_size * LOGITS_BYTES[kernels]
-                + args.vocab_size * args.dim * HEAD_GRAD_BYTES[kernels]))
+                + args.vocab_size * args.dim * HEAD_GRAD_BYTES[kernels]),
+        after_prefetch=update + max(gradients, held(policies[:prefetch_at + 1])) if update else 0)
+
+
+def _embedding_update_bytes(config, args: QwenArgs, *, world: int) -> int:
+    """slidedp.embedding_update = "gpu": this rank's shard of the embedding's FP32 master and
+    moments, and the update's FP32 and BF16 gradient pieces (slidedp/gpu_update.py); else 0."""
+    if config.parallelism.mode != "slidedp" or config.slidedp.embedding_update != "gpu":
+        return 0
+    shard = StateLayout(args, world=world).embed.padded // world
+    return shard * 12 + min(shard, GPU_CHUNK) * (4 + 2)
 
 
 def largest_fitting_batch(config, args: QwenArgs, *, world: int, capacity: int,

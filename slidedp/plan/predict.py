@@ -73,7 +73,7 @@ def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, 
         work=work.micro_batch(policies, batch), offload=tuple(p.offload for p in policies),
         offload_bytes=tuple(offloaded[p] for p in policies),
         tokens=batch * tr.seq_len * tr.grad_accum_steps * world, schedule=schedule,
-        kernels=kernels)
+        kernels=kernels, embedding_on_gpu=s.embedding_update == "gpu")
 
 
 def state_plan(config) -> HostStatePlan:

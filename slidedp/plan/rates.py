@@ -113,6 +113,10 @@ class Rates:
     """Share of a collective's traffic on each device (what it sends and receives) that crosses
     its PCIe link and the host: 0 over NVLink/NVSwitch, 1 without any GPU interconnect, between
     for NVLink bridges that join pairs."""
+    hbm_gbs: float = 4000.0
+    """Device memory bandwidth a memory-bound kernel reaches, GB/s (the embedding's AdamW on the
+    GPU, slidedp.embedding_update = "gpu"). Not measured: the default is about an H200's
+    effective rate (4.8 TB/s peak)."""
     attention_tflops: dict[str, float] = field(default_factory=dict)
     """Causal attention's forward + backward TFLOP/s by `timing_key(flavor, seq)`, measured
     (recipes/bench/attention.py, which counts forward 2 and backward 5 half-size matmuls). Where

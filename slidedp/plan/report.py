@@ -131,8 +131,7 @@ def _resident_mode_text(job: Job, rates: Rates, *, world: int, kernels: str) -> 
     return [f"plan of {job.flavor} in mode {config.parallelism.mode} on {world} rank(s), "
             f"{tr.grad_accum_steps} x {tr.local_batch_size} x {tr.seq_len} tokens; {kernels} kernels",
             f"on {describe_rates(rates)}",
-            f"GPU memory per rank: {_gib(est.total)} (resident {_gib(est.resident)}, gradients "
-            f"{_gib(est.gradients)}, activations {_gib(est.activations)}, logits {_gib(est.logits)}){fit}",
+            f"GPU memory per rank: {_gib(est.total)} ({est.parts(_gib)}){fit}",
             f"compute alone (forward + backward, {config.activation_checkpoint.mode} checkpointing): "
             f"{seconds:.3f} s per step, {tokens / seconds:,.0f} tokens/s: a lower bound of this "
             f"mode's step (the step-time model simulates SlideDP; --parallelism.mode=slidedp plans it)"]

@@ -5,7 +5,8 @@ data of slidedp/schedule.py for every rank, several steps in a row (version gate
 updates cross step boundaries), on the lanes and capacities of slidedp/plan/simulate.py:
 
   lanes per rank: the compute thread (host), the delivery thread, the delivery stream, the GPU
-  compute stream, the offload stream, the update thread, the return stream;
+  compute stream, the offload stream, the update thread, the return stream, the embedding's
+  update stream (slidedp.embedding_update = "gpu");
   capacities: each GPU, each rank's CPU threads, each GPU's H2D and D2H links, the host's H2D and
   D2H totals (a shared PCIe root: the per-GPU rate with every GPU copying, times the GPUs), host
   memory bandwidth, the GPU interconnect.
@@ -23,6 +24,12 @@ the non-finite guard the updates run after the step, in forward order, overlappi
 step's deliveries unit by unit. Deliveries of a step are submitted when it starts, so nothing is
 prefetched across a step boundary (as in the engine).
 
+With the embedding's AdamW on the GPU (slidedp/gpu_update.py) its shard's FP32 master and moments
+go to the GPU when backward reaches block PREFETCH_AT_BLOCK; its reduced gradient stays there; the
+GPU updates it when the update is due (at once, or first after the norm), the delivery source
+goes home, which the update thread waits for and which opens the version gate, and the rest of
+the state follows on the same stream.
+
 SlideFormer's data parallelism (its published design, docs/DESIGN.md §4 of the brief) is the
 `schedule = "slideformer"` variant: replicated delivery cast from FP32 on the CPU, every rank
 returns its full gradient, rank 0 alone sums and updates with every core, and the ranks meet at
@@ -35,6 +42,7 @@ about 1% of a step on 2xH200), the launch cost of the host threads, GPU memory p
 from dataclasses import dataclass, field
 from typing import Literal
 
+from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK
 from slidedp.plan.rates import Rates
 from slidedp.plan.simulate import Simulation, subtract, union_length
 from slidedp.plan.workload import MicroBatchWork, chunks
@@ -50,6 +58,10 @@ not measured."""
 ADAM_BYTES = {"bf16": 28, "fp32": 30}
 """Host bytes per parameter of one AdamW pass, by gradient dtype (read p, m, v, g; write p, m,
 v and the BF16 shadow)."""
+GPU_ADAM_BYTES = 40
+"""Device bytes per parameter of the embedding's AdamW on the GPU (GpuUpdate.update): the
+gradient cast to FP32 (6), the fused AdamW (read p, g, m, v, write p, m, v: 28), the BF16
+copy of the weights sent home (6)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,8 @@ class StepSpec:
     """"slidedp", or SlideFormer's data parallelism (module docstring)."""
     kernels: str = ""
     """The model's kernels ("liger", "torch"), for the advice."""
+    embedding_on_gpu: bool = False
+    """The embedding's AdamW runs on the GPU (slidedp.embedding_update = "gpu")."""
 
     @property
     def n_blocks(self) -> int:
@@ -138,12 +152,17 @@ class _Rank:
     updated: dict[int, int] = field(default_factory=dict)  # unit -> task ending its last update
     returned: dict[int, int] = field(default_factory=dict)  # unit -> end of its last cpu-route job
     jobs: list[int] = field(default_factory=list)  # this step's update-thread job ends
+    state_on_gpu: int | None = None  # the embedding's state copied to the GPU (embedding_on_gpu)
 
 
 class _Builder:
     def __init__(self, spec: StepSpec, rates: Rates):
         if spec.schedule == "slideformer" and (spec.delivery, spec.reduction) != ("replicated", "cpu"):
             raise ValueError("the slideformer schedule delivers replicated and reduces on the cpu")
+        if spec.embedding_on_gpu and (spec.schedule, spec.reduction, spec.micro_batches) != (
+                "slidedp", "gpu", 1):
+            raise ValueError("the embedding's update on the GPU needs the slidedp schedule, "
+                             "reduction gpu and one micro-batch")
         self.spec, self.rates = spec, rates
         R = spec.world
         caps = {"host_h2d": rates.h2d_together_gbs * 1e9 * R,
@@ -161,6 +180,8 @@ class _Builder:
         self.sim = Simulation(caps)
         self.ranks = [_Rank() for _ in range(R)]
         self.step = 0
+        # The block whose backward the embedding's state is prefetched at (none: on the host).
+        self.prefetch_at = min(PREFETCH_AT_BLOCK, spec.n_blocks - 1) if spec.embedding_on_gpu else None
 
     # ---- primitives ----------------------------------------------------------------------------
 
@@ -239,6 +260,8 @@ class _Builder:
                 for r, rk in enumerate(self.ranks):
                     thread_done, arrival = issued[r]
                     host.append(self.add(f"host:{r}", deps=[thread_done, first], kind="issue"))
+                    if use.phase == "bwd" and use.unit - 1 == self.prefetch_at:
+                        rk.state_on_gpu = self._state_copy(r, 12, "h2d", [host[r]])
                     if use.prefetch is not None and use.prefetch in offloaded[r]:
                         prefetched[r][use.prefetch] = self.copy(
                             f"ostream:{r}", r, spec.offload_bytes[use.prefetch - 1], "h2d",
@@ -327,6 +350,10 @@ class _Builder:
             else:
                 reduced = [self.add("rstream:0", deps=[starts[0], gpu[0]], kind="issue")]
             for r in range(R):
+                if self._on_gpu(unit):  # the reduced shard waits on the GPU for its update
+                    end = self._gpu_update(r, [reduced[r]]) if update else reduced[r]
+                    self._job_done(r, unit, end, update)
+                    continue
                 copies = [self.copy(f"rstream:{r}", r, 2 * n, "d2h", [reduced[r]], kind="d2h")
                           for n in chunks(elems // R, spec.chunk_elems)]  # issued at once
                 prev: list = []
@@ -386,6 +413,29 @@ class _Builder:
         if update:
             self.ranks[0].updated[unit] = barrier
 
+    def _on_gpu(self, unit: int) -> bool:
+        return unit == 0 and self.spec.embedding_on_gpu
+
+    def _state_copy(self, r: int, per_elem: int, direction: str, deps) -> int:
+        """`per_elem` bytes per element of rank r's embedding shard between the host and its GPU
+        on the update stream: a copy per region (4 B/elem each, the BF16 shadow one) per piece of
+        GPU_CHUNK elements."""
+        shard = self.spec.unit_elems[0] // self.spec.world
+        return self.copy(f"gstream:{r}", r, per_elem * shard, direction, deps, kind=direction,
+                         n_chunks=len(chunks(shard, GPU_CHUNK)) * -(-per_elem // 4))
+
+    def _gpu_update(self, r: int, deps) -> int:
+        """The embedding's AdamW on rank r's GPU (engine: GpuUpdate.update), then its delivery
+        source home, which the update thread waits for (the returned task: the update's end)
+        and the rest of its state after it."""
+        shard, shadow = self.spec.unit_elems[0] // self.spec.world, self.spec.bf16_shadow
+        seconds = shard * GPU_ADAM_BYTES / (self.rates.hbm_gbs * 1e9)
+        adam = self.add(f"gpu:{r}", work={f"gpu:{r}": seconds},
+                        deps=[*deps, self.ranks[r].state_on_gpu], kind="gpu update")
+        home = self._state_copy(r, 2 if shadow else 4, "d2h", [adam])
+        self._state_copy(r, 12 if shadow else 8, "d2h", [home])  # waited for by the next prefetch
+        return self.add(f"uthread:{r}", deps=[home], kind="sync")
+
     def _deferred_updates(self, step_end: int) -> list[int]:
         """After the norm: every rank updates its shards unit by unit in forward order (the
         engine's _apply_job); each unit's version is stored when it is done."""
@@ -394,8 +444,11 @@ class _Builder:
         for r in [0] if sf else range(spec.world):
             prev = [step_end]
             for unit, elems in enumerate(spec.unit_elems):
-                for n in chunks(elems if sf else elems // spec.world, spec.chunk_elems):
-                    prev = [self.host_pass(r, n, kind="adam", deps=prev, grad="fp32")]
+                if self._on_gpu(unit):  # first in the order: the next forward needs it first
+                    prev = [self._gpu_update(r, prev)]
+                else:
+                    for n in chunks(elems if sf else elems // spec.world, spec.chunk_elems):
+                        prev = [self.host_pass(r, n, kind="adam", deps=prev, grad="fp32")]
                 self.ranks[r].updated[unit] = prev[0]
             ends.append(prev[0])
         return ends
@@ -477,7 +530,7 @@ def _analyse(spec: StepSpec, sim: Simulation, t0: float, t1: float, *, last_step
     gpu_busy = on("gpu:0")
     idle = subtract([(t0, t1)], gpu_busy)
     exposed, left = {}, idle
-    lanes0 = ("dstream:0", "ostream:0", "rstream:0", "uthread:0", "dthread:0")
+    lanes0 = ("dstream:0", "ostream:0", "rstream:0", "uthread:0", "dthread:0", "gstream:0")
     for kind in _EXPOSED_ORDER:
         active = [iv for lane in lanes0 for iv in on(lane, (kind,))]
         exposed[kind] = sum(b - a for a, b in left) - sum(b - a for a, b in subtract(left, active))
