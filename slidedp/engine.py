@@ -7,7 +7,9 @@ Three threads per rank:
   update                gradient returns (reduce + copy home, in the order backward hands them
                         over), then CPU AdamW on the rank's shard, chunk by chunk, one unit at a
                         time in the order slidedp/update_order.py picks; overlapped with backward
-                        of earlier blocks and with the next step's forward.
+                        of earlier blocks and with the next step's forward; with
+                        slidedp.embedding_update = "gpu" the embedding's AdamW is issued on the
+                        GPU instead (slidedp/gpu_update.py).
 Handshakes are futures carrying CUDA events, so waits happen on the device wherever possible.
 The plan of a micro-batch (slidedp/schedule.py) is plain data; the futures of its uses live here.
 Each block runs under its activation policy (slidedp/activations/: keep, recompute, segment
