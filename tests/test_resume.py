@@ -149,19 +149,25 @@ def test_background_saves_equal_blocking_ones_and_keep_the_newest(slidedp_run, t
     assert all(r["checkpoint_blocked_s"] > 0 for r in blocking)
 
 
-def test_embedding_updated_on_the_gpu_saves_and_resumes_exactly(tmp_path):
-    """slidedp.embedding_update = "gpu": a run resumed from the half's save reproduces the
-    uninterrupted one bit for bit (on a GPU the saves also wait for the embedding's state to be
-    home, GpuUpdate.wait_home: its copies land after its version gate opens)."""
-    flag = "--slidedp.embedding_update=gpu"
+def resume_half_way(tmp_path: Path, *flags: str) -> tuple[Path, Path]:
+    """A SlideDP run with `flags`, and a second one resumed from its half's save: the second
+    reproduces the first's steps and final state bit for bit. Their output folders."""
     first, second = tmp_path / "first", tmp_path / "second"
-    full = train(first, "slidedp", flag)
+    full = train(first, "slidedp", *flags)
     second.mkdir()
     keep_first_half_of_metrics(first, second)
-    resumed = train(second, "slidedp", flag, f"--checkpoint.resume_from={first}/hf/step-{HALF}")
+    resumed = train(second, "slidedp", *flags, f"--checkpoint.resume_from={first}/hf/step-{HALF}")
     assert_resumed_exactly(full, resumed)
     final = f"hf/step-{STEPS}"
     assert_same_state(train_state(second / final, tmp_path), train_state(first / final, tmp_path))
+    return first, second
+
+
+def test_embedding_updated_on_the_gpu_saves_and_resumes_exactly(tmp_path):
+    """slidedp.embedding_update = "gpu" resumes bit for bit (on a GPU the saves also wait for
+    the embedding's state to be home, GpuUpdate.wait_home: its copies land after its version
+    gate opens)."""
+    resume_half_way(tmp_path, "--slidedp.embedding_update=gpu")
 
 
 def test_slidedp_world_size_mismatch_is_one_line(slidedp_run):
