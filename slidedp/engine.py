@@ -210,8 +210,8 @@ class SlideDPBackend:
         `chunk_mib` changes the chunk of the copy and update pipelines as well. A peer runtime
         style runs its own routes only."""
         self.style.check_routes(delivery, reduction)
-        if self.cfg.embedding_update == "gpu" and reduction != "gpu":
-            raise ValueError('slidedp.embedding_update = "gpu" needs slidedp.reduction = "gpu"')
+        check_embedding_update(replace(self.cfg, reduction=reduction),
+                               grad_accum_steps=self._accum_steps)
         if reduction == "cpu" and not self.state.plan.cpu_staging:
             raise ValueError("reduction='cpu' needs the host staging region: start with "
                              "slidedp.reduction = 'cpu'")

@@ -64,10 +64,6 @@ class GpuUpdate:
         self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._home: torch.cuda.Event | None = None
 
-    def _host(self, region: str, a: int, b: int) -> torch.Tensor:
-        start = self.unit.host_offset
-        return self.state.regions[region][start + a:start + b]
-
     def prefetch(self) -> None:
         """Copy the shard's master and moments to the GPU on the update stream (compute thread,
         during backward). The copies are allocated on the compute stream, so the memory goes back
@@ -84,7 +80,8 @@ class GpuUpdate:
                 for copy, region in zip(copies, ("master", "exp_avg", "exp_avg_sq")):
                     if self.streams.is_cuda:
                         copy.record_stream(self.stream)
-                    copy.copy_(self._host(region, a, b), non_blocking=True)
+                    copy.copy_(self.state.unit_view(region, self.unit.index, a, b),
+                               non_blocking=True)
             pieces.append((a, b, *copies))
         self.traffic.gpu_update_h2d += (self.hi - self.lo) * 12
         self._pieces = pieces
@@ -114,7 +111,7 @@ class GpuUpdate:
                 adamw([param], [g], [exp_avg], [exp_avg_sq], [], [count], fused=True,
                       amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=lr,
                       weight_decay=h.weight_decay, eps=h.eps, maximize=False)
-                target = self._host(source, a, b)
+                target = self.state.unit_view(source, self.unit.index, a, b)
                 target.copy_(param if source == "master" else param.to(torch.bfloat16),
                              non_blocking=True)
             source_home = self.streams.record(self.stream)
@@ -122,7 +119,8 @@ class GpuUpdate:
                 for copy, region in ((param, "master"), (exp_avg, "exp_avg"),
                                      (exp_avg_sq, "exp_avg_sq")):
                     if region != source:
-                        self._host(region, a, b).copy_(copy, non_blocking=True)
+                        self.state.unit_view(region, self.unit.index, a, b).copy_(
+                            copy, non_blocking=True)
             self._home = self.streams.record(self.stream)
         self.traffic.gpu_update_d2h += (self.hi - self.lo) * (14 if source == "shadow" else 12)
         Streams.synchronize(source_home)
