@@ -12,6 +12,7 @@
 #         host memory, the update order and the CPU Adam threads (one H200): clip8b tail4b threads8b
 #         the embedding's update on the GPU (one H200, issue 10's targets): embed
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b h2h (the head-to-head, one lease)
+#         the paper's experiments on one H200 after h2h: paper1 paper2
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
 #         issue 14, 2-8 GPUs of one host (one device call per machine kind, below): multi8b multi14b
@@ -92,6 +93,40 @@ plan_stage() {
   plan_measure 60 --mode fsdp2 --flavor qwen3-4B --max-norm 0 --ac selective --batches 8
   plan_measure 50 --mode reference --flavor qwen3-4B --max-norm 0 --ac none --batches 8
   python3 -m recipes.bench.model_check compare "${PLAN_PREDICTED:?the predictions file}" "$out/runs.jsonl"
+}
+# The paper's experiments on one H200 (issue 13), in two calls of about 9 minutes after `h2h`
+# in the same lease (its ZeRO-Offload and SlideDP rows complete these tables afterwards through
+# the scripts' --rows). Each script writes into PAPER_DIR/NAME (default OUT_DIR) and runs under
+# its own limit, cut to what is left of PAPER_SECONDS; one cut short keeps the rows it wrote
+# (its runs.jsonl), from which --rows makes its table later. With PAPER_TAR, the folder is packed
+# into that file after each script (the device returns 8 files at most). REPRODUCE_FLAGS is
+# appended to every script (e.g. --tiny, to check a stage on the CPU).
+paper() {  # paper SECONDS NAME ARGS...
+  local limit=$1 name=$2; shift 2
+  # shellcheck disable=SC2086  # REPRODUCE_FLAGS is a list of flags
+  within "$limit" python3 -m "recipes.reproduce.$name" --kernels liger \
+    --out-dir "${PAPER_DIR:-$out}/$name" "$@" ${REPRODUCE_FLAGS:-}
+  if [[ -n ${PAPER_TAR:-} ]]; then tar czf "$PAPER_TAR" -C "${PAPER_DIR:-$out}" .; fi
+}
+# paper1: CPU Adam against threads with the STREAM triad; the batch sweep of SlideDP (full
+# recompute), FSDP2 (full AC) and the reference at 1-16 sequences; activation policies at 4 and
+# 16 sequences (SlideDP's three, FSDP2's none and selective; FSDP2's full comes from the sweep).
+paper1() {
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-560} ))
+  paper 90 cpu_adam_scaling
+  paper 250 batch_sweep --systems slidedp-recompute,fsdp2-full,reference-full --batches 1,2,4,8,16 \
+    --timeout 120
+  paper 220 activation_policy --systems fsdp2-none,fsdp2-selective --batches 4,16 --timeout 110
+}
+# paper2: long context at 32K-131K tokens (call 11 ran 262,144 on Qwen3-8B), the four routes at 8
+# sequences (one GPU: nothing to shard or reduce, so the same bytes), the chunk size at 4
+# sequences without clipping (where returns overlap the updates), then the GPU tests.
+paper2() {
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-420} ))
+  paper 200 long_context --seqs 32768,65536,131072 --timeout 100
+  paper 90 routes --batches 8
+  paper 150 chunk_sweep --chunks 8,32,128 --batch 4 --activation keep --max-norm 0 --timeout 60
+  within 120 python3 -m pytest -q -x tests/test_slidedp.py -k gpu
 }
 # Issue 14: 2, 4 and 8 H200s of one host (nvidia-h200-x2, -x4, -x8), one device call of about 9
 # minutes per machine kind (docs/results/issue14_plan.md has each call and its predictions,
@@ -417,6 +452,7 @@ for stage in "$@"; do
          within 80 "${bench[@]}" "${h[@]}" --mode slidedp --activation selective --keep-blocks 14 \
            --batches 16 --embedding-update gpu --label slidedp-selective-keep14-gpuembed ;;
     plan) plan_stage ;;
+    paper1|paper2) "$stage" ;;
     multi8b|multi14b|strong14b|weak32b|million|castcopy) "$stage" ;;
     routes14b) routes 4 8,16 200 ;;
     routes14b8) routes 8 64 330 --steps 1 ;;
