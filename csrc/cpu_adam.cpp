@@ -13,7 +13,8 @@
 // slidedp/cpu_adam.py; ctypes releases the GIL for the call. One build serves every x86 CPU: each
 // ISA path is compiled with its own function-level target attribute and picked at run time.
 // The library also exports slidedp_grad_accumulate, the host-side gradient sum/accumulation that
-// returns the clipping norm's sum of squares from the same pass.
+// returns the clipping norm's sum of squares from the same pass, and slidedp_stream_triad, STREAM's
+// triad on the same threads.
 
 #include <pthread.h>
 
@@ -415,6 +416,37 @@ double slidedp_grad_accumulate(float* acc, const void* src, int src_is_bf16, int
   double total = 0.0;
   for (double x : partial) total += x;
   return total;
+}
+
+// STREAM's triad, a = b + scalar * c over FP64 arrays, on the same pool and blocks as the update:
+// the host memory bandwidth that the update is measured against (slidedp/plan/stream.py), taken
+// through the same threads rather than torch's. On x86 `a` is written with non-temporal stores,
+// as STREAM is built with streaming stores on: STREAM does not count the write-allocate read of
+// `a`, so with plain stores the figure would understate the memory's bandwidth by up to a quarter
+// (our Adam writes only lines it has just read, which need no such read).
+void slidedp_stream_triad(double* a, const double* b, const double* c, double scalar, int64_t n,
+                          int num_threads) {
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  std::atomic<int64_t> next{0};
+  auto job = [&](int) {
+    for (int64_t blk = next.fetch_add(1); blk < num_blocks; blk = next.fetch_add(1)) {
+      int64_t i = blk * kBlock;
+      const int64_t hi = std::min(n, i + kBlock);
+#if defined(__x86_64__)
+      if (reinterpret_cast<uintptr_t>(a + i) % 16 == 0) {
+        const __m128d s = _mm_set1_pd(scalar);
+        for (; i + 2 <= hi; i += 2) {
+          _mm_stream_pd(a + i, _mm_add_pd(_mm_loadu_pd(b + i), _mm_mul_pd(s, _mm_loadu_pd(c + i))));
+        }
+      }
+#endif
+      for (; i < hi; ++i) a[i] = b[i] + scalar * c[i];
+    }
+#if defined(__x86_64__)
+    _mm_sfence();  // the streaming stores are visible before the pool reports the job done
+#endif
+  };
+  g_pool->run(static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), std::max<int64_t>(num_blocks, 1))), job);
 }
 
 }  // extern "C"

@@ -6,7 +6,8 @@ compiled on first use into `${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` and loaded w
 releases the GIL for the call, so the runtime can update one slice while other threads move the
 next. Without a compiler the same math runs in torch ops (`torch._fused_adamw_` and separate casts).
 The same library holds `grad_accumulate`: the host-side gradient sum / accumulation with the sum of
-squares for clipping, also in one pass.
+squares for clipping, also in one pass; and `stream_triad`, STREAM's triad on the same threads, the
+host bandwidth the update is measured against (slidedp/plan/stream.py).
 
 `SLIDEDP_CPU_ADAM_ISA=avx512bf16|avx512|avx2|scalar|torch` forces a code path.
 """
@@ -105,6 +106,11 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int, ctypes.c_int, ctypes.c_int,  # assign, want_sumsq, num_threads
     ]
     lib.slidedp_grad_accumulate.restype = ctypes.c_double
+    lib.slidedp_stream_triad.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double,  # a, b, c, scalar
+        ctypes.c_int64, ctypes.c_int,  # n, num_threads
+    ]
+    lib.slidedp_stream_triad.restype = None
     return lib
 
 
@@ -207,6 +213,22 @@ def grad_accumulate(acc: Tensor, src: Tensor, *, assign: bool, want_sumsq: bool,
     threads = default_num_threads() if num_threads is None else num_threads
     return _library().slidedp_grad_accumulate(acc.data_ptr(), src.data_ptr(), int(src.dtype == torch.bfloat16),
                                               n, int(assign), int(want_sumsq), threads)
+
+
+def stream_triad(a: Tensor, b: Tensor, c: Tensor, *, scalar: float, num_threads: int) -> str:
+    """a = b + scalar * c (1-D contiguous float64 CPU tensors of one length) with STREAM's loop on
+    the update's thread pool; torch.add on torch's threads where the kernel cannot be built, or
+    SLIDEDP_CPU_ADAM_ISA=torch. Returns which ran: "slidedp" or "torch"."""
+    n = a.numel()
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        _check(name, t, (torch.float64,), n, fn="stream_triad")
+    if num_threads < 1:
+        raise ValueError(f"stream_triad: num_threads must be >= 1, got {num_threads}")
+    if active_isa() == TORCH_ISA:
+        torch.add(b, c, alpha=scalar, out=a)
+        return TORCH_ISA
+    _library().slidedp_stream_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), scalar, n, num_threads)
+    return "slidedp"
 
 
 def _torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,

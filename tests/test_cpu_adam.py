@@ -248,6 +248,32 @@ def test_grad_accumulate_and_sumsq(monkeypatch, isa, src_dtype):
         cpu_adam.grad_accumulate(acc, srcs[2][:-1], assign=False, want_sumsq=False)
 
 
+@pytest.mark.parametrize("isa", ["native", cpu_adam.TORCH_ISA])
+def test_stream_triad(monkeypatch, isa):
+    """STREAM's triad on views at odd offsets (the unaligned and ragged paths), from one
+    and several threads, and which loop ran; the bandwidth figure counts STREAM's bytes."""
+    from slidedp.plan import stream
+
+    if isa != "native":
+        monkeypatch.setenv(cpu_adam.ISA_ENV, isa)
+    gen = torch.Generator().manual_seed(4)
+    n = 3 * (1 << 15) + 77
+    for offset in (0, 1):  # 1: `a` not 16-byte aligned
+        a = torch.full((n + 2 * OFFSET,), SENTINEL, dtype=torch.float64)[OFFSET + offset:OFFSET + offset + n]
+        b, c = (torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(2))
+        for threads in (1, 3):
+            a.fill_(0.0)
+            ran = cpu_adam.stream_triad(a, b, c, scalar=3.0, num_threads=threads)
+            assert ran == ("slidedp" if isa == "native" else cpu_adam.TORCH_ISA)
+            torch.testing.assert_close(a, b + 3.0 * c, rtol=1e-12, atol=1e-12)  # torch's may fuse
+        base = a._base
+        assert torch.all(base[:OFFSET + offset] == SENTINEL) and torch.all(base[OFFSET + offset + n:] == SENTINEL)
+    with pytest.raises(ValueError, match="stream_triad: c"):
+        cpu_adam.stream_triad(a, b, c.float(), scalar=3.0, num_threads=1)
+    gbs, ran = stream.triad(elements=1 << 16, threads=2, repeats=2)
+    assert gbs > 0 and ran == ("slidedp" if isa == "native" else cpu_adam.TORCH_ISA)
+
+
 def test_isa_env_var(monkeypatch):
     monkeypatch.setenv(cpu_adam.ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="expected one of"):

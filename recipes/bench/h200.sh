@@ -12,7 +12,7 @@
 #         host memory, the update order and the CPU Adam threads (one H200): clip8b tail4b threads8b
 #         the embedding's update on the GPU (one H200, issue 10's targets): embed
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b h2h (the head-to-head, one lease)
-#         the paper's experiments on one H200 after h2h: paper1 paper2
+#         the paper's experiments on one H200 after h2h: paper1 paper2 peers
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
 #         issue 14, 2-8 GPUs of one host (one device call per machine kind, below): multi8b multi14b
@@ -118,15 +118,26 @@ paper1() {
     --timeout 120
   paper 220 activation_policy --systems fsdp2-none,fsdp2-selective --batches 4,16 --timeout 110
 }
-# paper2: long context at 32K-131K tokens (call 11 ran 262,144 on Qwen3-8B), the four routes at 8
-# sequences (one GPU: nothing to shard or reduce, so the same bytes), the chunk size at 4
-# sequences without clipping (where returns overlap the updates), then the GPU tests.
+# paper2: CPU Adam against threads again (the triad now STREAM's loop on our threads), the four
+# routes at 8 sequences (one GPU: nothing to shard or reduce, so the same bytes), the chunk size
+# at 4 sequences without clipping (where returns overlap the updates), the GPU tests, then long
+# context at 131K (32K and 64K ran in call 20; call 11 ran 262,144 on Qwen3-8B).
 paper2() {
-  stage_end=$(( SECONDS + ${PAPER_SECONDS:-420} ))
-  paper 200 long_context --seqs 32768,65536,131072 --timeout 100
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-560} ))
+  paper 90 cpu_adam_scaling
   paper 90 routes --batches 8
   paper 150 chunk_sweep --chunks 8,32,128 --batch 4 --activation keep --max-norm 0 --timeout 60
   within 120 python3 -m pytest -q -x tests/test_slidedp.py -k gpu
+  paper 200 long_context --seqs 131072 --timeout 190
+}
+# peers: the SlideFormer- and MegaTrain-style peers (re-implementations as policies of our runtime,
+# slidedp/peer_styles.py) at matched batches beside SlideDP's settings of the head-to-head, in one
+# call: head_to_head measures both sides and makes the table (each launch under 110 s; `keep` at
+# 16 does not fit, which ends that launch).
+peers() {
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-560} ))
+  paper 560 head_to_head --batches 1,2,4,8,16 --timeout 110 --systems \
+    slidedp-recompute,slidedp-keep-gpuembed,slidedp-selective-keep14-gpuembed,slideformer-recompute,slideformer-keep,megatrain-recompute,megatrain-keep
 }
 # Issue 14: 2, 4 and 8 H200s of one host (nvidia-h200-x2, -x4, -x8), one device call of about 9
 # minutes per machine kind (docs/results/issue14_plan.md has each call and its predictions,
@@ -452,7 +463,7 @@ for stage in "$@"; do
          within 80 "${bench[@]}" "${h[@]}" --mode slidedp --activation selective --keep-blocks 14 \
            --batches 16 --embedding-update gpu --label slidedp-selective-keep14-gpuembed ;;
     plan) plan_stage ;;
-    paper1|paper2) "$stage" ;;
+    paper1|paper2|peers) "$stage" ;;
     multi8b|multi14b|strong14b|weak32b|million|castcopy) "$stage" ;;
     routes14b) routes 4 8,16 200 ;;
     routes14b8) routes 8 64 330 --steps 1 ;;

@@ -1,16 +1,20 @@
 """STREAM triad on the host: the attainable memory bandwidth a CPU update is measured against
 (the probe's `dram_gbs`, slidedp/plan/probe.py; `python -m recipes.bench.stream` prints it).
 
-a = b + s * c over FP64 arrays each at least 4x the last-level caches (STREAM's rule), with torch
-on `threads` threads (torch.add(b, c, alpha=s, out=a): one fused pass). Counted as STREAM counts
-it: 3 arrays x 8 bytes per element (two reads, one write; the write-allocate read is not
-counted); the best of `repeats` runs. A copy (`copy_`) is not this figure: on the 16-core H200
-host it reached 68 GB/s while our CPU Adam moved 144 GB/s (docs/DESIGN.md)."""
+a = b + s * c over FP64 arrays each at least 4x the last-level caches (STREAM's rule), with
+STREAM's own loop in our C++ library on the CPU Adam's thread pool (slidedp.cpu_adam.stream_triad;
+torch.add where that library cannot be built). Counted as STREAM counts it: 3 arrays x 8 bytes per
+element (two reads, one write; the write-allocate read is not counted); the best of `repeats`
+runs. A torch op is not this figure: on the 16-core H200 host torch's copy_ reached 61-68 GB/s and
+a triad through torch.add 74.5 GB/s, while our CPU Adam moved 129-144 GB/s (docs/PERFORMANCE.md,
+2026-12-02)."""
 
 import glob
 import time
 
 import torch
+
+from slidedp import cpu_adam
 
 TRIAD_BYTES_PER_ELEM = 3 * 8
 
@@ -39,20 +43,29 @@ def default_elements() -> int:
 
 def triad_gbs(*, elements: int, threads: int, repeats: int = 5) -> float:
     """Best triad bandwidth in GB/s (1e9 bytes) over `repeats` runs on `threads` threads."""
+    return triad(elements=elements, threads=threads, repeats=repeats)[0]
+
+
+def triad(*, elements: int, threads: int, repeats: int = 5) -> tuple[float, str]:
+    """`triad_gbs` and the loop that ran ("slidedp", or "torch" for the fallback)."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # the fallback's threads, and the arrays' parallel fill
     try:
         b = torch.full((elements,), 2.0, dtype=torch.float64)
         c = torch.full((elements,), 0.5, dtype=torch.float64)
         a = torch.empty_like(b)
-        torch.add(b, c, alpha=3.0, out=a)  # warm-up: page faults, thread pool
+
+        def run() -> str:
+            return cpu_adam.stream_triad(a, b, c, scalar=3.0, num_threads=threads)
+
+        run()  # warm-up: page faults, thread pool
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            torch.add(b, c, alpha=3.0, out=a)
+            kernel = run()
             best = min(best, time.perf_counter() - start)
-        if a[0].item() != 3.5:
-            raise RuntimeError(f"triad computed {a[0].item()}, expected 3.5")
+        if a[0].item() != 3.5 or a[-1].item() != 3.5:
+            raise RuntimeError(f"triad computed {a[0].item()}, {a[-1].item()}, expected 3.5")
     finally:
         torch.set_num_threads(previous)
-    return elements * TRIAD_BYTES_PER_ELEM / best / 1e9
+    return elements * TRIAD_BYTES_PER_ELEM / best / 1e9, kernel
