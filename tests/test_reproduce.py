@@ -62,6 +62,30 @@ def _same_from_recorded_rows(name: str, flags: list[str], run_dir) -> None:
     assert "Rows recorded before" in (again / f"{name}.md").read_text()
 
 
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # the plot of no rows
+@pytest.mark.parametrize("warmup, expected", [([], [1, 0]), (["--warmup", "2"], [2, 2])])
+def test_long_context_warms_up_only_the_short_lengths(monkeypatch, tmp_path, warmup, expected):
+    """Without --warmup, a length below WARM_BELOW gets one warm-up step and a longer one none;
+    an explicit --warmup holds for every length (launching nothing: each launch's setting is
+    recorded instead)."""
+    from recipes.reproduce import common, long_context
+
+    seen = []
+
+    def bench(self, flags, *, nproc, label="", common=True):
+        seen.append((int(flags[flags.index("--seq") + 1]), self.args.warmup))
+        return []
+
+    monkeypatch.setattr(common.Runner, "bench", bench)
+    rows = tmp_path / "none.jsonl"
+    rows.write_text("")
+    short, long = long_context.WARM_BELOW // 2, long_context.WARM_BELOW
+    monkeypatch.setattr(sys, "argv", ["long_context", "--seqs", f"{short},{long}", "--rows",
+                                      str(rows), "--out-dir", str(tmp_path), *warmup])
+    long_context.main()
+    assert seen == list(zip((short, long), expected))
+
+
 def test_head_to_head_ratios_and_geometric_mean():
     rows = [{"system": s, "family": f, "local_batch": b, "tokens_per_s": t} for s, f, b, t in [
         ("slidedp-recompute", "slidedp", 4, 1000.0), ("slidedp-keep", "slidedp", 4, 1200.0),

@@ -1,7 +1,8 @@
 """Long context: one sequence per step against its length, SlideDP with full recompute (and any
 other --systems), with YaRN scaling where the length exceeds the model's positions (Qwen3's cards:
 x4 over 32,768 native positions for 131,072; a power of two x 32,768 beyond). A step of a long
-sequence takes minutes: one timed step, no warm-up, no clipping by default.
+sequence takes minutes: one timed step, no clipping, and one warm-up step only below 131,072 tokens
+by default (WARM_BELOW).
 
     python -m recipes.reproduce.long_context [--seqs 32768,65536,131072,262144]
 """
@@ -14,6 +15,12 @@ from recipes.reproduce.common import (GPU_ALLOC, GPU_RESERVED, SYSTEM, TOKENS, W
 
 NATIVE = 32768
 """Qwen3's pre-training positions, which YaRN scales."""
+
+WARM_BELOW = 131072
+"""Without --warmup, lengths below this get one warm-up step, longer ones none. A step of a few
+seconds would otherwise carry the first update cycle's tail: on one H200, Qwen3-4B at 32,768 and
+65,536 tokens waited 5.1 and 3.7 s after their compute for updates (call 20), where a step of
+minutes hides it."""
 
 PAPER = ("256K-token sequences for Qwen3-14B on 4 x H100 (no throughput given), and over 1M "
          "tokens per step without gradient accumulation.")
@@ -52,11 +59,14 @@ def main() -> None:
     args = p.parse_args()
     runner = start(args, "long_context",
                    gpu={"seqs": "32768,65536,131072,262144", "systems": "slidedp-recompute",
-                        "steps": 1, "warmup": 0, "max_norm": 0.0},
+                        "steps": 1, "warmup": None, "max_norm": 0.0},
                    tiny={"seqs": "64,128", "systems": "slidedp-recompute"})
+    per_length_warmup = args.warmup is None
     rows = []
     for system in select_systems(args.systems):
         for seq in (int(s) for s in args.seqs.split(",")):
+            if per_length_warmup:
+                args.warmup = 1 if seq < WARM_BELOW else 0  # the runner reads it per launch
             # The last --seq wins over the run's; one launch per length (its RoPE tables).
             for row in runner.bench([*system.flags, "--seq", str(seq), "--batches", "1",
                                      *rope_flags(args.flavor, seq)],
