@@ -76,9 +76,23 @@ print(max((r for r in rows if "tflops" in r), key=lambda r: r["tflops"])["backen
 PLAN_SECONDS=${PLAN_SECONDS:-560}
 SEG5="segments(qkv+attention_core+o_proj+mlp_up+down_proj)"
 within() {  # within SECONDS CMD...: CMD under min(SECONDS, what is left before stage_end)
-  local limit=$1 left=$(( stage_end - SECONDS )); shift
+  local limit=$1 left=$(( stage_end - SECONDS )) rc; shift
   if (( left < 10 )); then echo "out of time, skipped: $*"; return 1; fi
-  timeout $(( limit < left ? limit : left )) "$@"
+  timeout --kill-after=15 $(( limit < left ? limit : left )) "$@"
+  rc=$?
+  (( rc == 124 || rc == 137 )) && settle
+  return $rc
+}
+# settle: after a launch was killed, wait (up to 60 s) until no process holds the GPU, so the next
+# launch does not start while the killed one still frees its memory (in call 18 the first launch
+# after a killed ZeRO-2 rank, which held 73 GiB of host memory, ran its host AdamW ~40% slower than
+# the same updates later in the lease; the cause is not established).
+settle() {
+  local waited=0
+  while (( waited < 60 )) && [[ -n $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) ]]; do
+    sleep 2; waited=$(( waited + 2 ))
+  done
+  echo "settled after ${waited} s; $(grep MemAvailable /proc/meminfo)"
 }
 plan_measure() {  # plan_measure SECONDS BENCH-ARGS...
   within "$1" "${bench[@]}" --kernels liger --no-memory-check --warmup 1 --steps 2 "${@:2}"
@@ -448,14 +462,16 @@ for stage in "$@"; do
     # first, then SlideDP at its best per batch in call 17: `keep` with the host's embedding
     # update at 1-2, the GPU's at 4-8, the keep/selective mix at 16. DeepSpeed's first launch
     # JIT-builds its CPU Adam (call 17's 150 and 90 s limits ended both launches before a row;
-    # call 13's 300 s each were enough). Each launch's limit is cut to what is left of
-    # H2H_SECONDS. Rows are labelled with recipes/reproduce's system names, so `head_to_head
-    # --rows` makes the table from them. Needs dsinstall first.
+    # call 13's 300 s each were enough; in call 18 the two launches took 136 and 98 s to build,
+    # and 120 s ended the no-AC one). Each launch's limit is cut to what is left of H2H_SECONDS:
+    # the limits add up to more than one call, so what is cut goes to the next call of the lease
+    # (call 20 ran the no-AC launch and the mix). Rows are labelled with recipes/reproduce's
+    # system names, so `head_to_head --rows` makes the table from them. Needs dsinstall first.
     h2h) stage_end=$(( SECONDS + ${H2H_SECONDS:-570} ))
          h=(--kernels liger --flavor qwen3-4B --seq 4096 --max-norm 1.0 --steps 2 --warmup 1 --no-memory-check)
          within 270 "${bench[@]}" "${h[@]}" --mode deepspeed --zero-stage 2 --ac full --batches 1,8,16 \
            --label zero2-offload
-         within 120 "${bench[@]}" "${h[@]}" --mode deepspeed --zero-stage 2 --ac none --batches 2,4 \
+         within 170 "${bench[@]}" "${h[@]}" --mode deepspeed --zero-stage 2 --ac none --batches 2,4 \
            --label zero2-offload-noac
          within 80 "${bench[@]}" "${h[@]}" --mode slidedp --activation keep --batches 1,2 --label slidedp-keep
          within 90 "${bench[@]}" "${h[@]}" --mode slidedp --activation keep --batches 4,8 \
