@@ -83,16 +83,21 @@ within() {  # within SECONDS CMD...: CMD under min(SECONDS, what is left before 
   (( rc == 124 || rc == 137 )) && settle
   return $rc
 }
-# settle: after a launch was killed, wait (up to 60 s) until no process holds the GPU, so the next
-# launch does not start while the killed one still frees its memory (in call 18 the first launch
-# after a killed ZeRO-2 rank, which held 73 GiB of host memory, ran its host AdamW ~40% slower than
-# the same updates later in the lease; the cause is not established).
+# settle: after a launch was killed, wait (up to 60 s) until no process holds the GPU and host
+# memory stops coming back (under 1 GiB in 2 s), so the next launch does not start while the
+# killed one still frees its memory (in call 18 the first launch after a killed ZeRO-2 rank, which
+# held 73 GiB of host memory, ran its host AdamW ~40% slower than the same updates later in the
+# lease; the cause is not established).
 settle() {
-  local waited=0
-  while (( waited < 60 )) && [[ -n $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) ]]; do
+  local waited=0 before after
+  after=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
+  while (( waited < 60 )); do
     sleep 2; waited=$(( waited + 2 ))
+    before=$after; after=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
+    if [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) ]] \
+        && (( after - before < 1048576 )); then break; fi
   done
-  echo "settled after ${waited} s; $(grep MemAvailable /proc/meminfo)"
+  echo "settled after ${waited} s; MemAvailable $(( after / 1048576 )) GiB"
 }
 plan_measure() {  # plan_measure SECONDS BENCH-ARGS...
   within "$1" "${bench[@]}" --kernels liger --no-memory-check --warmup 1 --steps 2 "${@:2}"
