@@ -139,15 +139,15 @@ paper1() {
 }
 # paper2: CPU Adam against threads again (the triad now STREAM's loop on our threads), the four
 # routes at 8 sequences (one GPU: nothing to shard or reduce, so the same bytes), the chunk size
-# at 4 sequences without clipping (where returns overlap the updates), the GPU tests, then long
-# context at 131K (32K and 64K ran in call 20; call 11 ran 262,144 on Qwen3-8B).
+# at 4 sequences without clipping (where returns overlap the updates), long context at 131K (32K
+# and 64K ran in call 20; call 11 ran 262,144 on Qwen3-8B), then the GPU tests with what is left.
 paper2() {
-  stage_end=$(( SECONDS + ${PAPER_SECONDS:-560} ))
-  paper 90 cpu_adam_scaling
-  paper 90 routes --batches 8
-  paper 150 chunk_sweep --chunks 8,32,128 --batch 4 --activation keep --max-norm 0 --timeout 60
-  within 120 python3 -m pytest -q -x tests/test_slidedp.py -k gpu
-  paper 200 long_context --seqs 131072 --timeout 190
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-570} ))
+  paper 80 cpu_adam_scaling
+  paper 110 routes --batches 8
+  paper 160 chunk_sweep --chunks 8,32,128 --batch 4 --activation keep --max-norm 0 --timeout 60
+  paper 190 long_context --seqs 131072 --timeout 180
+  within 100 python3 -m pytest -q -x tests/test_slidedp.py -k gpu
 }
 # peers: the SlideFormer- and MegaTrain-style peers (re-implementations as policies of our runtime,
 # slidedp/peer_styles.py) at matched batches beside SlideDP's settings of the head-to-head, in one
