@@ -258,8 +258,10 @@ def test_stream_triad(monkeypatch, isa):
         monkeypatch.setenv(cpu_adam.ISA_ENV, isa)
     gen = torch.Generator().manual_seed(4)
     n = 3 * (1 << 15) + 77
-    for offset in (0, 1):  # 1: `a` not 16-byte aligned
+    alignments = set()
+    for offset in (0, 1):  # one of them leaves `a` off a 16-byte boundary (the scalar loop)
         a = torch.full((n + 2 * OFFSET,), SENTINEL, dtype=torch.float64)[OFFSET + offset:OFFSET + offset + n]
+        alignments.add(a.data_ptr() % 16 == 0)
         b, c = (torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(2))
         for threads in (1, 3):
             a.fill_(0.0)
@@ -268,6 +270,7 @@ def test_stream_triad(monkeypatch, isa):
             torch.testing.assert_close(a, b + 3.0 * c, rtol=1e-12, atol=1e-12)  # torch's may fuse
         base = a._base
         assert torch.all(base[:OFFSET + offset] == SENTINEL) and torch.all(base[OFFSET + offset + n:] == SENTINEL)
+    assert alignments == {True, False}
     with pytest.raises(ValueError, match="stream_triad: c"):
         cpu_adam.stream_triad(a, b, c.float(), scalar=3.0, num_threads=1)
     gbs, ran = stream.triad(elements=1 << 16, threads=2, repeats=2)

@@ -113,8 +113,8 @@ plan_stage() {
   plan_measure 50 --mode reference --flavor qwen3-4B --max-norm 0 --ac none --batches 8
   python3 -m recipes.bench.model_check compare "${PLAN_PREDICTED:?the predictions file}" "$out/runs.jsonl"
 }
-# The paper's experiments on one H200 (issue 13), in two calls of about 9 minutes after `h2h`
-# in the same lease (its ZeRO-Offload and SlideDP rows complete these tables afterwards through
+# The paper's experiments on one H200 (issue 13), in calls of about 9 minutes after `h2h` in
+# the same lease (its ZeRO-Offload and SlideDP rows complete these tables afterwards through
 # the scripts' --rows). Each script writes into PAPER_DIR/NAME (default OUT_DIR) and runs under
 # its own limit, cut to what is left of PAPER_SECONDS; one cut short keeps the rows it wrote
 # (its runs.jsonl), from which --rows makes its table later. With PAPER_TAR, the folder is packed
