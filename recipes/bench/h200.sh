@@ -85,9 +85,9 @@ within() {  # within SECONDS CMD...: CMD under min(SECONDS, what is left before 
 }
 # settle: after a launch was killed, wait (up to 60 s) until no process holds the GPU and host
 # memory stops coming back (under 1 GiB in 2 s), so the next launch does not start while the
-# killed one still frees its memory (in call 18 the first launch after a killed ZeRO-2 rank, which
-# held 73 GiB of host memory, ran its host AdamW ~40% slower than the same updates later in the
-# lease; the cause is not established).
+# killed one still frees its memory (in call 18 the first launch after a killed ZeRO-2 launch,
+# whose rank reaches 73 GiB of host memory, ran its host AdamW ~40% slower than the same updates
+# later in the lease; the cause is not established).
 settle() {
   local waited=0 before after
   after=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
