@@ -69,3 +69,33 @@ def test_point_specs_take_per_point_block_policies():
     assert specs == [("recompute", "0:keep", [16, 32]),
                      ("selective", "0-3:keep, 30-35:recompute@offload=0.5", [24]),
                      ("segments(qkv+mlp_up)", "0:keep", [8])]
+
+
+def test_trace_dir_is_made_and_each_point_gets_its_own_trace(tmp_path):
+    """--trace-dir that does not exist yet: the bench makes it, and two points at the same batch
+    each write their own profiled step (and report its time in their row)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, subprocess_env
+
+    import socket
+
+    traces, out = tmp_path / "new" / "traces", tmp_path / "runs.jsonl"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(subprocess_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    proc = subprocess.run([sys.executable, "-m", "recipes.bench.throughput", "--mode", "slidedp",
+                           "--kernels", "torch", "--flavor", "qwen3-debug", "--seq", "32",
+                           "--max-norm", "1.0", "--warmup", "0", "--steps", "1",
+                           "--no-memory-check", "--points", "selective:2", "selective|0-1:keep:2",
+                           "--trace-dir", str(traces), "--trace-batch", "2", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert sorted(p.name for p in traces.iterdir()) == [
+        "slidedp_sharded-gpu_p0_b2x1.json.gz", "slidedp_sharded-gpu_p1_b2x1.json.gz"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["activation_blocks"] for r in rows] == ["", "0-1:keep"]
+    assert all(r["traced_step_s"] > 0 for r in rows)

@@ -12,7 +12,7 @@
 #         host memory, the update order and the CPU Adam threads (one H200): clip8b tail4b threads8b
 #         the embedding's update on the GPU (one H200, issue 10's targets): embed
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b h2h (the head-to-head, one lease)
-#         the paper's experiments on one H200 after h2h: paper1 paper2 peers
+#         the paper's experiments on one H200 after h2h: paper1 paper2 peers; mix16 (a profile)
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
 #         issue 14, 2-8 GPUs of one host (one device call per machine kind, below): multi8b multi14b
@@ -483,6 +483,13 @@ for stage in "$@"; do
            --embedding-update gpu --label slidedp-keep-gpuembed
          within 80 "${bench[@]}" "${h[@]}" --mode slidedp --activation selective --keep-blocks 14 \
            --batches 16 --embedding-update gpu --label slidedp-selective-keep14-gpuembed ;;
+    # mix16: why the keep/selective mix at 16 sequences (21,114 tokens/s in call 20) beats
+    # `selective` everywhere (16,116 in call 19) by more than the replays it saves (about 0.2 s of
+    # the reference's GPU time): both points in one build, the host embedding update, each with
+    # one profiled step whose per-stream breakdown lands in its row (traces stay on the machine).
+    mix16) timeout 240 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 1.0 \
+             --no-memory-check --points selective:16 "selective|0-13:keep:16" \
+             --trace-dir /tmp/traces --trace-batch 16 ;;
     plan) plan_stage ;;
     paper1|paper2|peers) "$stage" ;;
     multi8b|multi14b|strong14b|weak32b|million|castcopy) "$stage" ;;

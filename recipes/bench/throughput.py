@@ -244,7 +244,7 @@ def main() -> None:
     for route in routes:
         if a.mode == "slidedp":
             backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
-        for policy, blocks, batch, accum, order, threads, embedding in points:
+        for k, (policy, blocks, batch, accum, order, threads, embedding) in enumerate(points):
             if a.mode == "slidedp":
                 backend.set_activation(default=policy, blocks=blocks,
                                        keep_blocks=a.keep_blocks)
@@ -254,7 +254,8 @@ def main() -> None:
             step = (runner.step if a.mode == "reference" else
                     _train_step(backend, accum=accum, tokens=batch * a.seq * world))
             measured = _measure(a, step, batch=batch,
-                                name=f"{a.mode}_{route.replace('/', '-')}_b{batch}x{accum}", **context)
+                                name=f"{a.mode}_{route.replace('/', '-')}_p{k}_b{batch}x{accum}",
+                                **context)
             slidedp = dict(activation_blocks=blocks, keep_blocks=a.keep_blocks,
                            slots=a.slots, chunk_mib=a.chunk_mib, update_order=order,
                            embedding_update=embedding,
@@ -327,6 +328,7 @@ def _measure(a: argparse.Namespace, step, *, args: QwenArgs, batch: int, name: s
                 torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         if profiling:
+            os.makedirs(a.trace_dir, exist_ok=True)
             path = os.path.join(a.trace_dir, f"{name}.json.gz")
             prof.export_chrome_trace(path)
             traced = {"traced_step_s": elapsed, **breakdown(path, step_time_s=elapsed)}
