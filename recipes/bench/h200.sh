@@ -12,7 +12,7 @@
 #         host memory, the update order and the CPU Adam threads (one H200): clip8b tail4b threads8b
 #         the embedding's update on the GPU (one H200, issue 10's targets): embed
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b h2h (the head-to-head, one lease)
-#         the paper's experiments on one H200 after h2h: paper1 paper2 peers; mix16 (a profile)
+#         the paper's experiments on one H200 after h2h: paper1 paper2 peers peers2; mix16 (a profile)
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
 #         issue 14, 2-8 GPUs of one host (one device call per machine kind, below): multi8b multi14b
@@ -149,14 +149,31 @@ paper2() {
   paper 190 long_context --seqs 131072 --timeout 180
   within 100 python3 -m pytest -q -x tests/test_slidedp.py -k gpu
 }
-# peers: the SlideFormer- and MegaTrain-style peers (re-implementations as policies of our runtime,
-# slidedp/peer_styles.py) at matched batches beside SlideDP's settings of the head-to-head, in one
-# call: head_to_head measures both sides and makes the table (each launch under 110 s; `keep` at
-# 16 does not fit, which ends that launch).
+# peers, peers2: the SlideFormer- and MegaTrain-style peers (re-implementations as policies of our
+# runtime, slidedp/peer_styles.py) at matched batches (Qwen3-4B, clipping at 1.0) beside SlideDP's
+# best settings per batch of calls 18-20, in one lease: two calls, peers2 right after peers. A
+# SlideDP-style launch over 1-16 sequences took 109 s in call 19, so each gets its own. Rows are
+# labelled with recipes/reproduce's system names: `head_to_head --rows` makes the table after.
+peer() {  # peer SECONDS LABEL BATCHES BENCH-ARGS...
+  local limit=$1 label=$2 batches=$3; shift 3
+  # shellcheck disable=SC2086  # BENCH_FLAGS is a list of flags (a CPU check, as for issue 14's)
+  within "$limit" "${bench[@]}" --kernels liger --flavor qwen3-4B --seq 4096 --max-norm 1.0 \
+    --steps 2 --warmup 1 --no-memory-check --mode slidedp --batches "$batches" --label "$label" \
+    "$@" ${BENCH_FLAGS:-}
+}
 peers() {
   stage_end=$(( SECONDS + ${PAPER_SECONDS:-560} ))
-  paper 560 head_to_head --batches 1,2,4,8,16 --timeout 110 --systems \
-    slidedp-recompute,slidedp-keep-gpuembed,slidedp-selective-keep14-gpuembed,slideformer-recompute,slideformer-keep,megatrain-recompute,megatrain-keep
+  peer 80 slidedp-recompute 1,2 --activation recompute
+  peer 80 slidedp-keep-gpuembed 4,8 --activation keep --embedding-update gpu
+  peer 80 slidedp-selective-keep14-gpuembed 16 --activation selective --keep-blocks 14 \
+    --embedding-update gpu
+  peer 130 slideformer-recompute 1,2,4,8,16 --runtime slideformer --activation recompute
+  peer 130 megatrain-recompute 1,2,4,8,16 --runtime megatrain --activation recompute
+}
+peers2() {  # `keep` at 16 does not fit
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-300} ))
+  peer 110 slideformer-keep 1,2,4,8 --runtime slideformer --activation keep
+  peer 110 megatrain-keep 1,2,4,8 --runtime megatrain --activation keep
 }
 # Issue 14: 2, 4 and 8 H200s of one host (nvidia-h200-x2, -x4, -x8), one device call of about 9
 # minutes per machine kind (docs/results/issue14_plan.md has each call and its predictions,
@@ -492,7 +509,7 @@ for stage in "$@"; do
              --no-memory-check --embedding-update host,gpu --points selective:16 \
              "selective|0-13:keep:16" --trace-dir /tmp/traces --trace-batch 16 ;;
     plan) plan_stage ;;
-    paper1|paper2|peers) "$stage" ;;
+    paper1|paper2|peers|peers2) "$stage" ;;
     multi8b|multi14b|strong14b|weak32b|million|castcopy) "$stage" ;;
     routes14b) routes 4 8,16 200 ;;
     routes14b8) routes 8 64 330 --steps 1 ;;
