@@ -505,9 +505,10 @@ for stage in "$@"; do
     # than the replays it saves (about 0.2 s of the reference's GPU time). Both policies under
     # both embedding updates in one build, each with one profiled step whose per-stream
     # breakdown lands in its row (the traces stay on the machine).
+    # shellcheck disable=SC2086  # BENCH_FLAGS: a CPU check, as for issue 14's stages
     mix16) timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 1.0 \
              --no-memory-check --embedding-update host,gpu --points selective:16 \
-             "selective|0-13:keep:16" --trace-dir /tmp/traces --trace-batch 16 ;;
+             "selective|0-13:keep:16" --trace-dir /tmp/traces --trace-batch 16 ${BENCH_FLAGS:-} ;;
     plan) plan_stage ;;
     paper1|paper2|peers|peers2) "$stage" ;;
     multi8b|multi14b|strong14b|weak32b|million|castcopy) "$stage" ;;
