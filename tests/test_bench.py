@@ -77,15 +77,10 @@ def test_trace_dir_is_made_and_each_point_gets_its_own_trace(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import REPO, subprocess_env
-
-    import socket
+    from tests.conftest import REPO, free_port, subprocess_env
 
     traces, out = tmp_path / "new" / "traces", tmp_path / "runs.jsonl"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(subprocess_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+    env = dict(subprocess_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     proc = subprocess.run([sys.executable, "-m", "recipes.bench.throughput", "--mode", "slidedp",
                            "--kernels", "torch", "--flavor", "qwen3-debug", "--seq", "32",
