@@ -154,11 +154,12 @@ paper2() {
 # best settings per batch of calls 18-20, in one lease: two calls, peers2 right after peers. A
 # SlideDP-style launch over 1-16 sequences took 109 s in call 19, so each gets its own. Rows are
 # labelled with recipes/reproduce's system names: `head_to_head --rows` makes the table after.
+# The head-to-head's workload, shared by `h2h` and the peers: Qwen3-4B, seq 4096, clipping at 1.0.
+H2H=(--kernels liger --flavor qwen3-4B --seq 4096 --max-norm 1.0 --steps 2 --warmup 1 --no-memory-check)
 peer() {  # peer SECONDS LABEL BATCHES BENCH-ARGS...
   local limit=$1 label=$2 batches=$3; shift 3
   # shellcheck disable=SC2086  # BENCH_FLAGS is a list of flags (a CPU check, as for issue 14's)
-  within "$limit" "${bench[@]}" --kernels liger --flavor qwen3-4B --seq 4096 --max-norm 1.0 \
-    --steps 2 --warmup 1 --no-memory-check --mode slidedp --batches "$batches" --label "$label" \
+  within "$limit" "${bench[@]}" "${H2H[@]}" --mode slidedp --batches "$batches" --label "$label" \
     "$@" ${BENCH_FLAGS:-}
 }
 peers() {
@@ -490,15 +491,14 @@ for stage in "$@"; do
     # (call 20 ran the no-AC launch and the mix). Rows are labelled with recipes/reproduce's
     # system names, so `head_to_head --rows` makes the table from them. Needs dsinstall first.
     h2h) stage_end=$(( SECONDS + ${H2H_SECONDS:-570} ))
-         h=(--kernels liger --flavor qwen3-4B --seq 4096 --max-norm 1.0 --steps 2 --warmup 1 --no-memory-check)
-         within 270 "${bench[@]}" "${h[@]}" --mode deepspeed --zero-stage 2 --ac full --batches 1,8,16 \
+         within 270 "${bench[@]}" "${H2H[@]}" --mode deepspeed --zero-stage 2 --ac full --batches 1,8,16 \
            --label zero2-offload
-         within 170 "${bench[@]}" "${h[@]}" --mode deepspeed --zero-stage 2 --ac none --batches 2,4 \
+         within 170 "${bench[@]}" "${H2H[@]}" --mode deepspeed --zero-stage 2 --ac none --batches 2,4 \
            --label zero2-offload-noac
-         within 80 "${bench[@]}" "${h[@]}" --mode slidedp --activation keep --batches 1,2 --label slidedp-keep
-         within 90 "${bench[@]}" "${h[@]}" --mode slidedp --activation keep --batches 4,8 \
+         within 80 "${bench[@]}" "${H2H[@]}" --mode slidedp --activation keep --batches 1,2 --label slidedp-keep
+         within 90 "${bench[@]}" "${H2H[@]}" --mode slidedp --activation keep --batches 4,8 \
            --embedding-update gpu --label slidedp-keep-gpuembed
-         within 80 "${bench[@]}" "${h[@]}" --mode slidedp --activation selective --keep-blocks 14 \
+         within 80 "${bench[@]}" "${H2H[@]}" --mode slidedp --activation selective --keep-blocks 14 \
            --batches 16 --embedding-update gpu --label slidedp-selective-keep14-gpuembed ;;
     # mix16: what the keep/selective mix at 16 sequences (21,114 tokens/s in call 20, embedding
     # updated on the GPU) gains over `selective` everywhere (16,116 in call 19, on the host): more
