@@ -331,6 +331,12 @@ ThreadPool* g_pool = [] {
 // slowed by a busy core does not hold up the others; short ranges stay on the calling thread.
 constexpr int64_t kBlock = 1 << 15;
 
+// The workers a call over `num_blocks` blocks runs on: the caller's thread count, at most one per
+// block (the caller alone for an empty range).
+int workers(int num_threads, int64_t num_blocks) {
+  return static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), std::max<int64_t>(num_blocks, 1)));
+}
+
 }  // namespace
 
 extern "C" {
@@ -371,7 +377,7 @@ int slidedp_cpu_adam_update(int isa, float* param, const void* grad, int grad_is
          bf16_out ? bf16_out + lo : nullptr, len);
     }
   };
-  g_pool->run(static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), num_blocks)), job);
+  g_pool->run(workers(num_threads, num_blocks), job);
   return 0;
 }
 
@@ -412,7 +418,7 @@ double slidedp_grad_accumulate(float* acc, const void* src, int src_is_bf16, int
       partial[b] = sum;
     }
   };
-  g_pool->run(static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), std::max<int64_t>(num_blocks, 1))), job);
+  g_pool->run(workers(num_threads, num_blocks), job);
   double total = 0.0;
   for (double x : partial) total += x;
   return total;
@@ -446,7 +452,7 @@ void slidedp_stream_triad(double* a, const double* b, const double* c, double sc
     _mm_sfence();  // the streaming stores are visible before the pool reports the job done
 #endif
   };
-  g_pool->run(static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), std::max<int64_t>(num_blocks, 1))), job);
+  g_pool->run(workers(num_threads, num_blocks), job);
 }
 
 }  // extern "C"
