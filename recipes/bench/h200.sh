@@ -118,13 +118,13 @@ plan_stage() {
 # the scripts' --rows). Each script writes into PAPER_DIR/NAME (default OUT_DIR) and runs under
 # its own limit, cut to what is left of PAPER_SECONDS; one cut short keeps the rows it wrote
 # (its runs.jsonl), from which --rows makes its table later. With PAPER_TAR, the folder is packed
-# into that file after each script (the device returns 8 files at most). REPRODUCE_FLAGS is
-# appended to every script (e.g. --tiny, to check a stage on the CPU).
+# into that file after each script (the device returns 8 files at most). REPRODUCE_ARGS is
+# appended to every script (e.g. --systems, --timeout; --tiny, to check a stage on the CPU).
 paper() {  # paper SECONDS NAME ARGS...
   local limit=$1 name=$2; shift 2
-  # shellcheck disable=SC2086  # REPRODUCE_FLAGS is a list of flags
+  # shellcheck disable=SC2086  # REPRODUCE_ARGS is a list of flags
   within "$limit" python3 -m "recipes.reproduce.$name" --kernels liger \
-    --out-dir "${PAPER_DIR:-$out}/$name" "$@" ${REPRODUCE_FLAGS:-}
+    --out-dir "${PAPER_DIR:-$out}/$name" "$@" ${REPRODUCE_ARGS:-}
   if [[ -n ${PAPER_TAR:-} ]]; then tar czf "$PAPER_TAR" -C "${PAPER_DIR:-$out}" .; fi
 }
 # paper1: CPU Adam against threads with the STREAM triad; the batch sweep of SlideDP (full
@@ -519,10 +519,10 @@ for stage in "$@"; do
     compare) python3 -m recipes.bench.model_check compare "${PLAN_PREDICTED:?the predictions file}" \
                "$out/runs.jsonl"
              python3 -m recipes.bench.throughput --report "$out/runs.jsonl" ;;
-    # REPRODUCE_ARGS: more flags for every reproduce script (e.g. --systems, --timeout).
-    reproduce-*) name=${stage#reproduce-}
-                 python3 -m "recipes.reproduce.$name" --kernels liger --out-dir "$out/$name" \
-                   ${REPRODUCE_ARGS:-} ;;
+    # One script with no time limit of its own (REPRODUCE_ARGS, PAPER_DIR and PAPER_TAR as for
+    # `paper` above).
+    reproduce-*) stage_end=$(( SECONDS + 86400 ))
+                 paper 86400 "${stage#reproduce-}" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
