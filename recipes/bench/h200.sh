@@ -12,7 +12,7 @@
 #         host memory, the update order and the CPU Adam threads (one H200): clip8b tail4b threads8b
 #         the embedding's update on the GPU (one H200, issue 10's targets): embed
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b h2h (the head-to-head, one lease)
-#         the paper's experiments on one H200 after h2h: paper1 paper2 peers peers2; mix16 (a profile)
+#         the paper's experiments on one H200 after h2h: paper1 paper2 paper3 peers peers2; mix16 (a profile)
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
 #         issue 14, 2-8 GPUs of one host (one device call per machine kind, below): multi8b multi14b
@@ -138,16 +138,20 @@ paper1() {
   paper 220 activation_policy --systems fsdp2-none,fsdp2-selective --batches 4,16 --timeout 110
 }
 # paper2: CPU Adam against threads again (the triad now STREAM's loop on our threads), the four
-# routes at 8 sequences (one GPU: nothing to shard or reduce, so the same bytes), the chunk size
-# at 4 sequences without clipping (where returns overlap the updates), long context at 131K (32K
-# and 64K ran in call 20; call 11 ran 262,144 on Qwen3-8B), then the GPU tests with what is left.
+# routes at 8 sequences (one GPU: nothing to shard or reduce, so the same bytes), then the GPU
+# tests; paper3: the chunk size at 4 sequences without clipping (where returns overlap the
+# updates) and long context at 131K (32K and 64K ran in call 20; call 11 ran 262,144 on
+# Qwen3-8B). Two stages of about 5 minutes each, so each shares a call with another stage.
 paper2() {
-  stage_end=$(( SECONDS + ${PAPER_SECONDS:-570} ))
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-300} ))
   paper 80 cpu_adam_scaling
   paper 110 routes --batches 8
+  within 100 python3 -m pytest -q -rs tests/test_slidedp.py tests/test_kernels.py -k "gpu or fused"
+}
+paper3() {
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-360} ))
   paper 160 chunk_sweep --chunks 8,32,128 --batch 4 --activation keep --max-norm 0 --timeout 60
   paper 190 long_context --seqs 131072 --timeout 180
-  within 100 python3 -m pytest -q -x tests/test_slidedp.py -k gpu
 }
 # peers, peers2: the SlideFormer- and MegaTrain-style peers (re-implementations as policies of our
 # runtime, slidedp/peer_styles.py) at matched batches (Qwen3-4B, clipping at 1.0) beside SlideDP's
@@ -172,7 +176,7 @@ peers() {
   peer 130 megatrain-recompute 1,2,4,8,16 --runtime megatrain --activation recompute
 }
 peers2() {  # `keep` at 16 does not fit
-  stage_end=$(( SECONDS + ${PAPER_SECONDS:-300} ))
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-230} ))
   peer 110 slideformer-keep 1,2,4,8 --runtime slideformer --activation keep
   peer 110 megatrain-keep 1,2,4,8 --runtime megatrain --activation keep
 }
@@ -510,7 +514,7 @@ for stage in "$@"; do
              --no-memory-check --embedding-update host,gpu --points selective:16 \
              "selective|0-13:keep:16" --trace-dir /tmp/traces --trace-batch 16 ${BENCH_FLAGS:-} ;;
     plan) plan_stage ;;
-    paper1|paper2|peers|peers2) "$stage" ;;
+    paper1|paper2|paper3|peers|peers2) "$stage" ;;
     multi8b|multi14b|strong14b|weak32b|million|castcopy) "$stage" ;;
     routes14b) routes 4 8,16 200 ;;
     routes14b8) routes 8 64 330 --steps 1 ;;
