@@ -1,7 +1,10 @@
 // Fused CPU Adam/AdamW step over flat ranges of the host-resident FP32 master state.
 //
 // One pass over memory per element: read p, m, v (FP32) and the gradient (BF16 or FP32, times a
-// scale), write p, m, v and optionally a BF16 copy of p. The BF16 copy may overwrite a BF16
+// scale), write p, m, v and optionally a BF16 copy of p. The params may instead be BF16 (a BF16
+// master, MegaTrain-style): each is widened to FP32 exactly, updated in FP32 and rounded back in
+// place, in the same pass (a separate widening copy would cost the update a second pass and an
+// allocation per call). The BF16 copy may overwrite a BF16
 // gradient in place: each lane's gradient is loaded before its output is stored, and no pointer
 // is declared restrict. The arithmetic follows torch's fused CPU
 // kernel operation by operation (same float roundings of the double-precision coefficients, same
@@ -87,16 +90,17 @@ inline void store(void* dst, V x) {
   std::memcpy(dst, &x, sizeof(V));
 }
 
-// BF16 -> FP32 is exact: the BF16 bits are the high half of the FP32 bits.
+// FP32 lanes from FP32 or BF16 memory (a gradient or the params). BF16 -> FP32 is exact: the
+// BF16 bits are the high half of the FP32 bits.
 template <class Ops>
-inline typename Ops::V load_grad(const uint16_t* g) {
+inline typename Ops::V load_f32(const uint16_t* x) {
   using U = typename Ops::U;
-  return __builtin_bit_cast(typename Ops::V, U(convert<U>(load<typename Ops::H>(g)) << 16));
+  return __builtin_bit_cast(typename Ops::V, U(convert<U>(load<typename Ops::H>(x)) << 16));
 }
 
 template <class Ops>
-inline typename Ops::V load_grad(const float* g) {
-  return load<typename Ops::V>(g);
+inline typename Ops::V load_f32(const float* x) {
+  return load<typename Ops::V>(x);
 }
 
 // FP32 -> BF16 with round-to-nearest-even, as torch's .to(torch.bfloat16); NaNs stay NaN (quieted),
@@ -163,12 +167,12 @@ struct Avx512Bf16Ops : Avx512Ops {
 // ---------------------------------------------------------------------------------------------
 // The update, on Ops::kWidth elements.
 
-template <class Ops, class GradT, bool kL2, bool kBf16Out>
-inline void adam_lanes(const Coeffs& c, float* p, const GradT* g, float* m, float* v, uint16_t* out) {
+template <class Ops, class ParamT, class GradT, bool kL2, bool kBf16Out>
+inline void adam_lanes(const Coeffs& c, ParamT* p, const GradT* g, float* m, float* v, uint16_t* out) {
   using V = typename Ops::V;
   const auto splat = [](float x) { return x - V{}; };  // x - 0 is x, signed zeros included
-  V grad = load_grad<Ops>(g) * c.grad_scale;
-  V param = load<V>(p);
+  V grad = load_f32<Ops>(g) * c.grad_scale;
+  V param = load_f32<Ops>(p);
   if constexpr (kL2) {
     grad = Ops::fma(splat(c.l2), param, grad);
   } else {
@@ -180,7 +184,11 @@ inline void adam_lanes(const Coeffs& c, float* p, const GradT* g, float* m, floa
   const V exp_avg_sq = Ops::fma(c.beta2_c * grad, grad, load<V>(v) * c.beta2);
   const V denom = Ops::sqrt(exp_avg_sq) / c.bc2_sqrt + c.eps;
   param = param + c.neg_step_size * exp_avg / denom;
-  store(p, param);
+  if constexpr (std::is_same_v<ParamT, uint16_t>) {
+    Ops::store_bf16(p, param);
+  } else {
+    store(p, param);
+  }
   store(m, exp_avg);
   store(v, exp_avg_sq);
   if constexpr (kBf16Out) {
@@ -188,28 +196,29 @@ inline void adam_lanes(const Coeffs& c, float* p, const GradT* g, float* m, floa
   }
 }
 
-template <class Ops, class GradT, bool kL2, bool kBf16Out>
-inline void adam_range(const Coeffs& coeffs, float* p, const GradT* g, float* m, float* v, uint16_t* out, int64_t n) {
+template <class Ops, class ParamT, class GradT, bool kL2, bool kBf16Out>
+inline void adam_range(const Coeffs& coeffs, ParamT* p, const GradT* g, float* m, float* v, uint16_t* out, int64_t n) {
   const Coeffs c = coeffs;  // a local copy cannot alias the stores, so it stays in registers
   int64_t i = 0;
   for (; i + Ops::kWidth <= n; i += Ops::kWidth) {
-    adam_lanes<Ops, GradT, kL2, kBf16Out>(c, p + i, g + i, m + i, v + i, kBf16Out ? out + i : nullptr);
+    adam_lanes<Ops, ParamT, GradT, kL2, kBf16Out>(c, p + i, g + i, m + i, v + i, kBf16Out ? out + i : nullptr);
   }
   for (; i < n; ++i) {
-    adam_lanes<ScalarOps, GradT, kL2, kBf16Out>(c, p + i, g + i, m + i, v + i, kBf16Out ? out + i : nullptr);
+    adam_lanes<ScalarOps, ParamT, GradT, kL2, kBf16Out>(c, p + i, g + i, m + i, v + i, kBf16Out ? out + i : nullptr);
   }
 }
 
-using RangeFn = void (*)(const Coeffs&, float*, const void*, float*, float*, uint16_t*, int64_t);
+using RangeFn = void (*)(const Coeffs&, void*, const void*, float*, float*, uint16_t*, int64_t);
 
 // One entry point per ISA; `flatten` inlines the generic code above into the target-specific
 // function, so it is compiled for that ISA (a generic callee cannot inline target intrinsics).
 #define SLIDEDP_KERNEL(NAME, OPS, ...)                                                                 \
   struct NAME {                                                                                        \
-    template <class GradT, bool kL2, bool kBf16Out>                                                    \
+    template <class ParamT, class GradT, bool kL2, bool kBf16Out>                                      \
     __VA_ARGS__ __attribute__((flatten)) static void run(                                              \
-        const Coeffs& c, float* p, const void* g, float* m, float* v, uint16_t* out, int64_t n) {      \
-      adam_range<OPS, GradT, kL2, kBf16Out>(c, p, static_cast<const GradT*>(g), m, v, out, n);         \
+        const Coeffs& c, void* p, const void* g, float* m, float* v, uint16_t* out, int64_t n) {       \
+      adam_range<OPS, ParamT, GradT, kL2, kBf16Out>(c, static_cast<ParamT*>(p),                        \
+                                                    static_cast<const GradT*>(g), m, v, out, n);       \
     }                                                                                                  \
   };
 
@@ -220,15 +229,21 @@ SLIDEDP_KERNEL(Avx512Kernel, Avx512Ops, SLIDEDP_AVX512)
 SLIDEDP_KERNEL(Avx512Bf16Kernel, Avx512Bf16Ops, SLIDEDP_AVX512BF16)
 #endif
 
+template <class Kernel, class ParamT, class GradT>
+RangeFn pick_flags(bool l2, bool bf16_out) {
+  if (l2) {
+    return bf16_out ? &Kernel::template run<ParamT, GradT, true, true> : &Kernel::template run<ParamT, GradT, true, false>;
+  }
+  return bf16_out ? &Kernel::template run<ParamT, GradT, false, true> : &Kernel::template run<ParamT, GradT, false, false>;
+}
+
+// BF16 params are their own BF16 output: the caller passes no other (slidedp_cpu_adam_update).
 template <class Kernel>
-RangeFn pick(bool grad_bf16, bool l2, bool bf16_out) {
-  const RangeFn table[2][2][2] = {
-      {{&Kernel::template run<float, false, false>, &Kernel::template run<float, false, true>},
-       {&Kernel::template run<float, true, false>, &Kernel::template run<float, true, true>}},
-      {{&Kernel::template run<uint16_t, false, false>, &Kernel::template run<uint16_t, false, true>},
-       {&Kernel::template run<uint16_t, true, false>, &Kernel::template run<uint16_t, true, true>}},
-  };
-  return table[grad_bf16][l2][bf16_out];
+RangeFn pick(bool param_bf16, bool grad_bf16, bool l2, bool bf16_out) {
+  if (param_bf16) {
+    return grad_bf16 ? pick_flags<Kernel, uint16_t, uint16_t>(l2, false) : pick_flags<Kernel, uint16_t, float>(l2, false);
+  }
+  return grad_bf16 ? pick_flags<Kernel, float, uint16_t>(l2, bf16_out) : pick_flags<Kernel, float, float>(l2, bf16_out);
 }
 
 bool isa_supported(int isa) {
@@ -248,14 +263,14 @@ bool isa_supported(int isa) {
 #endif
 }
 
-RangeFn pick_kernel(int isa, bool grad_bf16, bool l2, bool bf16_out) {
+RangeFn pick_kernel(int isa, bool param_bf16, bool grad_bf16, bool l2, bool bf16_out) {
   switch (isa) {
 #if defined(__x86_64__)
-    case kAvx512Bf16: return pick<Avx512Bf16Kernel>(grad_bf16, l2, bf16_out);
-    case kAvx512: return pick<Avx512Kernel>(grad_bf16, l2, bf16_out);
-    case kAvx2: return pick<Avx2Kernel>(grad_bf16, l2, bf16_out);
+    case kAvx512Bf16: return pick<Avx512Bf16Kernel>(param_bf16, grad_bf16, l2, bf16_out);
+    case kAvx512: return pick<Avx512Kernel>(param_bf16, grad_bf16, l2, bf16_out);
+    case kAvx2: return pick<Avx2Kernel>(param_bf16, grad_bf16, l2, bf16_out);
 #endif
-    default: return pick<ScalarKernel>(grad_bf16, l2, bf16_out);
+    default: return pick<ScalarKernel>(param_bf16, grad_bf16, l2, bf16_out);
   }
 }
 
@@ -343,12 +358,14 @@ extern "C" {
 
 int slidedp_cpu_adam_isa_supported(int isa) { return isa_supported(isa); }
 
-// Returns 0, or -1 when the ISA is not supported by this CPU.
-int slidedp_cpu_adam_update(int isa, float* param, const void* grad, int grad_is_bf16, float* exp_avg,
-                            float* exp_avg_sq, uint16_t* bf16_out, int64_t n, int64_t step, double lr,
-                            double beta1, double beta2, double eps, double weight_decay, int adamw,
+// Returns 0, -1 when the ISA is not supported by this CPU, or -2 for BF16 params with a separate
+// BF16 output (they are their own).
+int slidedp_cpu_adam_update(int isa, void* param, int param_is_bf16, const void* grad, int grad_is_bf16,
+                            float* exp_avg, float* exp_avg_sq, uint16_t* bf16_out, int64_t n, int64_t step,
+                            double lr, double beta1, double beta2, double eps, double weight_decay, int adamw,
                             double grad_scale, int num_threads) {
   if (!isa_supported(isa)) return -1;
+  if (param_is_bf16 && bf16_out != nullptr) return -2;
   const bool l2 = !adamw && weight_decay != 0.0;
   const double lerp_weight = 1.0 - beta1;
   Coeffs c;
@@ -364,8 +381,10 @@ int slidedp_cpu_adam_update(int isa, float* param, const void* grad, int grad_is
   c.eps = static_cast<float>(eps);
   c.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))));
 
-  const RangeFn fn = pick_kernel(isa, grad_is_bf16 != 0, l2, bf16_out != nullptr);
+  const RangeFn fn = pick_kernel(isa, param_is_bf16 != 0, grad_is_bf16 != 0, l2, bf16_out != nullptr);
+  const int64_t param_size = param_is_bf16 ? 2 : 4;
   const int64_t grad_size = grad_is_bf16 ? 2 : 4;
+  auto* param_bytes = static_cast<char*>(param);
   const auto* grad_bytes = static_cast<const char*>(grad);
   const int64_t num_blocks = (n + kBlock - 1) / kBlock;
   std::atomic<int64_t> next{0};
@@ -373,7 +392,7 @@ int slidedp_cpu_adam_update(int isa, float* param, const void* grad, int grad_is
     for (int64_t b = next.fetch_add(1); b < num_blocks; b = next.fetch_add(1)) {
       const int64_t lo = b * kBlock;
       const int64_t len = std::min(kBlock, n - lo);
-      fn(c, param + lo, grad_bytes + lo * grad_size, exp_avg + lo, exp_avg_sq + lo,
+      fn(c, param_bytes + lo * param_size, grad_bytes + lo * grad_size, exp_avg + lo, exp_avg_sq + lo,
          bf16_out ? bf16_out + lo : nullptr, len);
     }
   };

@@ -1,7 +1,8 @@
 """Fused CPU Adam/AdamW on flat ranges of the host-resident FP32 state.
 
 The kernel (`csrc/cpu_adam.cpp`) reads the BF16 or FP32 gradient, updates the FP32 params and
-moments, and optionally writes a BF16 copy of the params, all in one pass over memory. It is
+moments, and optionally writes a BF16 copy of the params, all in one pass over memory; BF16 params
+(a BF16 master) are updated in FP32 and rounded back in place, in the same pass. It is
 compiled on first use into `${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` and loaded with ctypes, which
 releases the GIL for the call, so the runtime can update one slice while other threads move the
 next. Without a compiler the same math runs in torch ops (`torch._fused_adamw_` and separate casts).
@@ -94,7 +95,7 @@ def _library() -> ctypes.CDLL | None:
     lib.slidedp_cpu_adam_isa_supported.restype = ctypes.c_int
     lib.slidedp_cpu_adam_update.argtypes = [
         ctypes.c_int,  # isa
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # param, grad, grad_is_bf16
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,  # param, its dtype, grad, its
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # exp_avg, exp_avg_sq, bf16_out
         ctypes.c_int64, ctypes.c_int64,  # n, step
         ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,  # lr .. wd
@@ -162,6 +163,8 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     """One Adam(W) step in place on a flat range, as torch.optim.AdamW/Adam(fused=True) would do it.
 
     param/exp_avg/exp_avg_sq: 1-D contiguous float32 CPU tensors (views into bigger buffers are fine);
+    param may be bf16 instead (a BF16 master): read exactly into FP32, updated there and rounded
+    back in place (round-to-nearest-even), so it takes no bf16_out.
     grad: bf16 or float32, same length, used as grad * grad_scale. adamw=False is Adam with L2 weight
     decay. step counts from 1 (after the increment). bf16_out, when given, receives the updated
     params rounded to bf16 (round-to-nearest-even); it may be the very memory of a bf16 grad (each
@@ -170,12 +173,14 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     `default_num_threads()`.
     """
     n = param.numel()
-    _check("param", param, (torch.float32,), n)
+    _check("param", param, (torch.float32, torch.bfloat16), n)
     _check("grad", grad, (torch.bfloat16, torch.float32), n)
     _check("exp_avg", exp_avg, (torch.float32,), n)
     _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
     if bf16_out is not None:
         _check("bf16_out", bf16_out, (torch.bfloat16,), n)
+        if param.dtype == torch.bfloat16:
+            raise ValueError("adam_update: bf16 params are their own bf16 output; pass no bf16_out")
     if step < 1:
         raise ValueError(f"adam_update: step counts from 1, got {step}")
     threads = default_num_threads() if num_threads is None else num_threads
@@ -189,7 +194,8 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
                       weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, bf16_out=bf16_out)
         return
     rc = _library().slidedp_cpu_adam_update(
-        _ISA_CODES[isa], param.data_ptr(), grad.data_ptr(), int(grad.dtype == torch.bfloat16),
+        _ISA_CODES[isa], param.data_ptr(), int(param.dtype == torch.bfloat16), grad.data_ptr(),
+        int(grad.dtype == torch.bfloat16),
         exp_avg.data_ptr(), exp_avg_sq.data_ptr(), None if bf16_out is None else bf16_out.data_ptr(),
         n, step, lr, beta1, beta2, eps, weight_decay, int(adamw), grad_scale, threads)
     if rc != 0:
@@ -237,6 +243,8 @@ def _torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     """The fallback: torch's fused kernel plus the casts around it (torch's intra-op threads)."""
     if grad.dtype != torch.float32 or grad_scale != 1.0:
         grad = grad.float() * grad_scale
+    if param.dtype == torch.bfloat16:
+        param, bf16_out = param.float(), param
     fused = torch._fused_adamw_ if adamw else torch._fused_adam_
     fused([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr, beta1=beta1,
           beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)

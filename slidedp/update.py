@@ -256,8 +256,8 @@ class GradientReturn:
 
 class HostOptimizer:
     """AdamW on slices of the shared FP32 state, writing the BF16 shadow in the same pass (over
-    the gradient, when the shadow held it); a BF16 master is read into FP32 and the result
-    rounded back into it (MegaTrain-style)."""
+    the gradient, when the shadow held it); a BF16 master (MegaTrain-style) is widened, updated
+    and rounded back in place by the same pass."""
 
     def __init__(self, state: SharedHostState, hyper: AdamHyper, *, threads: int):
         self.state, self.hyper, self.threads = state, hyper, threads
@@ -269,13 +269,9 @@ class HostOptimizer:
                grad_scale: float = 1.0) -> None:
         """Update global elements [start, end) with `grad` (bf16 or fp32, same length)."""
         st, h = self.state, self.hyper
-        param, bf16_out = st.master[start:end], None
-        if st.plan.bf16_shadow:
-            bf16_out = st.shadow[start:end]
-        elif st.plan.bf16_master:
-            param, bf16_out = param.float(), param
+        bf16_out = st.shadow[start:end] if st.plan.bf16_shadow else None
         cpu_adam.adam_update(
-            param, grad, st.exp_avg[start:end], st.exp_avg_sq[start:end],
+            st.master[start:end], grad, st.exp_avg[start:end], st.exp_avg_sq[start:end],
             step=step, lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
             weight_decay=h.weight_decay, grad_scale=grad_scale, bf16_out=bf16_out,
             num_threads=self.threads)

@@ -145,6 +145,29 @@ def test_bf16_output_over_its_own_gradient(isa):
     _assert_margins_untouched(shared)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16_grad", "fp32_grad"])
+def test_bf16_params_updated_in_place(isa, grad_dtype):
+    """A BF16 master (MegaTrain-style): each step equals widening it to FP32, the FP32 update
+    (held to torch's above) and rounding back, bit for bit, moments included; every size's tail."""
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.37,
+                 num_threads=3)
+    for seed, n in enumerate(SIZES):
+        ref = _views(n, grad_dtype=grad_dtype, seed=seed)
+        master = torch.full((n + 2 * OFFSET,), SENTINEL, dtype=torch.bfloat16)[OFFSET:OFFSET + n]
+        master.copy_(ref["param"])
+        m, v = torch.zeros(n), torch.zeros(n)
+        gen = torch.Generator().manual_seed(seed + 1)
+        for step in (1, 2, 3):
+            g = torch.randn(n, generator=gen).to(grad_dtype)
+            ref["param"].copy_(master)
+            cpu_adam.adam_update(ref["param"], g, ref["exp_avg"], ref["exp_avg_sq"], step=step,
+                                 bf16_out=ref["bf16_out"], **hyper)
+            cpu_adam.adam_update(master, g, m, v, step=step, **hyper)
+            assert torch.equal(master.view(torch.int16), ref["bf16_out"].view(torch.int16)), (n, step)
+            assert torch.equal(m, ref["exp_avg"]) and torch.equal(v, ref["exp_avg_sq"]), (n, step)
+        _assert_margins_untouched({"master": master})
+
+
 def test_paths_and_thread_counts_bit_identical(monkeypatch):
     native = [i for i in cpu_adam.available_isas() if i != cpu_adam.TORCH_ISA]
     n = 3 * 32768 + 13
@@ -216,6 +239,8 @@ def test_validation():
         "exp_avg_sq": dict(exp_avg_sq=torch.zeros(2, 4)),
         "param": dict(param=torch.zeros(8, dtype=torch.float64)),
         "bf16_out": dict(bf16_out=torch.zeros(7, dtype=torch.bfloat16)),
+        "own bf16 output": dict(param=torch.zeros(8, dtype=torch.bfloat16),
+                                bf16_out=torch.zeros(8, dtype=torch.bfloat16)),
         "step": dict(step=0),
         "num_threads": dict(num_threads=0),
     }
