@@ -141,22 +141,26 @@ paper1() {
 # routes at 8 sequences (one GPU: nothing to shard or reduce, so the same bytes), then the GPU
 # tests; paper3: the chunk size at 4 sequences without clipping (where returns overlap the
 # updates) and long context at 131K (32K and 64K ran in call 20; call 11 ran 262,144 on
-# Qwen3-8B). Two stages of about 5 minutes each, so each shares a call with another stage.
+# Qwen3-8B). paper2 (about 5 minutes) shares a call with peers2; paper3 has one of its own.
 paper2() {
   stage_end=$(( SECONDS + ${PAPER_SECONDS:-300} ))
   paper 80 cpu_adam_scaling
   paper 110 routes --batches 8
   within 100 python3 -m pytest -q -rs tests/test_slidedp.py tests/test_kernels.py -k "gpu or fused"
 }
+# A chunk size is one build: in call 23 each took over 60 s (a 37 s build, then the first update
+# cycle's page faults), so each gets 100.
 paper3() {
-  stage_end=$(( SECONDS + ${PAPER_SECONDS:-360} ))
-  paper 160 chunk_sweep --chunks 8,32,128 --batch 4 --activation keep --max-norm 0 --timeout 60
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-520} ))
+  paper 320 chunk_sweep --chunks 8,32,128 --batch 4 --activation keep --max-norm 0 --timeout 100
   paper 190 long_context --seqs 131072 --timeout 180
 }
 # peers, peers2: the SlideFormer- and MegaTrain-style peers (re-implementations as policies of our
 # runtime, slidedp/peer_styles.py) at matched batches (Qwen3-4B, clipping at 1.0) beside SlideDP's
 # best settings per batch of calls 18-20, in one lease: two calls, peers2 right after peers. A
-# SlideDP-style launch over 1-16 sequences took 109 s in call 19, so each gets its own. Rows are
+# SlideDP-style launch over 1-16 sequences took 109 s in call 19, so each gets its own; in call 21
+# 80 s cut the first launch (which also compiles the CPU Adam) after 1 sequence and 130 s the
+# MegaTrain-style one after 4 (its update is faster since a06edf7). Rows are
 # labelled with recipes/reproduce's system names: `head_to_head --rows` makes the table after.
 # The head-to-head's workload, shared by `h2h` and the peers: Qwen3-4B, seq 4096, clipping at 1.0.
 H2H=(--kernels liger --flavor qwen3-4B --seq 4096 --max-norm 1.0 --steps 2 --warmup 1 --no-memory-check)
@@ -168,12 +172,12 @@ peer() {  # peer SECONDS LABEL BATCHES BENCH-ARGS...
 }
 peers() {
   stage_end=$(( SECONDS + ${PAPER_SECONDS:-560} ))
-  peer 80 slidedp-recompute 1,2 --activation recompute
+  peer 100 slidedp-recompute 1,2 --activation recompute
   peer 80 slidedp-keep-gpuembed 4,8 --activation keep --embedding-update gpu
   peer 80 slidedp-selective-keep14-gpuembed 16 --activation selective --keep-blocks 14 \
     --embedding-update gpu
   peer 130 slideformer-recompute 1,2,4,8,16 --runtime slideformer --activation recompute
-  peer 130 megatrain-recompute 1,2,4,8,16 --runtime megatrain --activation recompute
+  peer 150 megatrain-recompute 1,2,4,8,16 --runtime megatrain --activation recompute
 }
 peers2() {  # `keep` at 16 does not fit
   stage_end=$(( SECONDS + ${PAPER_SECONDS:-230} ))
