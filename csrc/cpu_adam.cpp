@@ -1,14 +1,14 @@
 // Fused CPU Adam/AdamW step over flat ranges of the host-resident FP32 master state.
 //
 // One pass over memory per element: read p, m, v (FP32) and the gradient (BF16 or FP32, times a
-// scale), write p, m, v and optionally a BF16 copy of p. The params may instead be BF16 (a BF16
-// master, MegaTrain-style): each is widened to FP32 exactly, updated in FP32 and rounded back in
-// place, in the same pass (a separate widening copy would cost the update a second pass and an
-// allocation per call). The BF16 copy may overwrite a BF16
+// scale), write p, m, v and optionally a BF16 copy of p. The BF16 copy may overwrite a BF16
 // gradient in place: each lane's gradient is loaded before its output is stored, and no pointer
-// is declared restrict. The arithmetic follows torch's fused CPU
-// kernel operation by operation (same float roundings of the double-precision coefficients, same
-// lerp, same evaluation order, and explicit FMAs exactly where torch's x86 build contracts to one),
+// is declared restrict. The params may instead be BF16 (a BF16 master, MegaTrain-style): each is
+// widened to FP32 exactly, updated in FP32 and rounded back in place, in the same pass (a
+// separate widening copy would cost the update a second pass and an allocation per call).
+// The arithmetic follows torch's fused CPU kernel operation by operation (same float roundings of
+// the double-precision coefficients, same lerp, same evaluation order, and explicit FMAs exactly
+// where torch's x86 build contracts to one),
 // and the build uses -ffp-contract=off, so every ISA path produces bit-identical results, equal
 // to torch.optim.AdamW(fused=True) or within an ulp where a torch build rounds differently.
 //

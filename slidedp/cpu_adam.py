@@ -95,7 +95,8 @@ def _library() -> ctypes.CDLL | None:
     lib.slidedp_cpu_adam_isa_supported.restype = ctypes.c_int
     lib.slidedp_cpu_adam_update.argtypes = [
         ctypes.c_int,  # isa
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,  # param, its dtype, grad, its
+        ctypes.c_void_p, ctypes.c_int,  # param, param_is_bf16
+        ctypes.c_void_p, ctypes.c_int,  # grad, grad_is_bf16
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # exp_avg, exp_avg_sq, bf16_out
         ctypes.c_int64, ctypes.c_int64,  # n, step
         ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,  # lr .. wd
