@@ -139,21 +139,19 @@ paper1() {
 }
 # paper2: CPU Adam against threads again (the triad now STREAM's loop on our threads), the four
 # routes at 8 sequences (one GPU: nothing to shard or reduce, so the same bytes), then the GPU
-# tests; paper3: the chunk size at 4 sequences without clipping (where returns overlap the
-# updates) and long context at 131K (32K and 64K ran in call 20; call 11 ran 262,144 on
-# Qwen3-8B). paper2 (about 5 minutes) shares a call with peers2; paper3 has one of its own.
+# tests (call 22 cut them; call 23 ran them). paper3: the chunk size at 4 sequences without
+# clipping (where returns overlap the updates). A chunk size is one build: in call 23 each took
+# over 60 s (a 37 s build, then the first update cycle's page faults), so each gets 100. Long
+# context ran 32K and 64K in call 20, 131K in call 23 (`reproduce-long_context` runs it again).
 paper2() {
   stage_end=$(( SECONDS + ${PAPER_SECONDS:-300} ))
   paper 80 cpu_adam_scaling
   paper 110 routes --batches 8
   within 100 python3 -m pytest -q -rs tests/test_slidedp.py tests/test_kernels.py -k "gpu or fused"
 }
-# A chunk size is one build: in call 23 each took over 60 s (a 37 s build, then the first update
-# cycle's page faults), so each gets 100.
 paper3() {
-  stage_end=$(( SECONDS + ${PAPER_SECONDS:-520} ))
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-330} ))
   paper 320 chunk_sweep --chunks 8,32,128 --batch 4 --activation keep --max-norm 0 --timeout 100
-  paper 190 long_context --seqs 131072 --timeout 180
 }
 # peers, peers2: the SlideFormer- and MegaTrain-style peers (re-implementations as policies of our
 # runtime, slidedp/peer_styles.py) at matched batches (Qwen3-4B, clipping at 1.0) beside SlideDP's
