@@ -57,11 +57,14 @@ class Workload:
         self.bf16_master = self.param.bfloat16()
         self.fp32_grad = self.grad.float()
 
-    def ours(self, threads: int) -> None:
+    def _kernel_step(self, param: torch.Tensor, grad: torch.Tensor, threads: int,
+                     bf16_out: torch.Tensor | None = None) -> None:
         self.steps += 1
-        cpu_adam.adam_update(self.param, self.grad, self.exp_avg, self.exp_avg_sq, step=self.steps, lr=1e-4,
-                             beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bf16_out=self.bf16_out,
-                             num_threads=threads)
+        cpu_adam.adam_update(param, grad, self.exp_avg, self.exp_avg_sq, step=self.steps, lr=1e-4, beta1=0.9,
+                             beta2=0.95, eps=1e-8, weight_decay=0.1, bf16_out=bf16_out, num_threads=threads)
+
+    def ours(self, threads: int) -> None:
+        self._kernel_step(self.param, self.grad, threads, bf16_out=self.bf16_out)
 
     def torch_fused(self) -> None:
         self.torch_param.grad.copy_(self.grad)
@@ -72,9 +75,7 @@ class Workload:
         self.copy_dst.copy_(self.copy_src)
 
     def bf16_master_update(self, threads: int) -> None:
-        self.steps += 1
-        cpu_adam.adam_update(self.bf16_master, self.fp32_grad, self.exp_avg, self.exp_avg_sq, step=self.steps,
-                             lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, num_threads=threads)
+        self._kernel_step(self.bf16_master, self.fp32_grad, threads)
 
 
 def run(n: int, thread_counts: list[int], repeats: int) -> list[dict[str, float]]:
