@@ -108,3 +108,14 @@ def test_scaling_efficiency():
             {"scaling": "weak", "system": "s", "world": 8, "step_time_s": 1.0, "tokens_per_s": 760.0}]
     eff = [r["efficiency"] for r in scaling.with_efficiency(rows)]
     assert eff == pytest.approx([1.0, 0.8, 1.0, 0.95])
+
+
+def test_recorded_rows_are_those_of_the_named_batches():
+    """--rows takes a launch's rows at the batches its flags name, from --batches or from the
+    batch list ending each --points spec (one file may hold a policy's rows at other batches)."""
+    from recipes.reproduce.common import _named_batches
+
+    assert _named_batches(["--mode", "slidedp", "--batches", "1,4"]) == {1, 4}
+    assert _named_batches(["--points", "keep:4,16", "recompute:8", "--label", "x"]) == {4, 8, 16}
+    assert _named_batches(["--points", "selective|0-13:keep:16"]) == {16}
+    assert _named_batches(["--mode", "slidedp"]) is None

@@ -141,8 +141,9 @@ paper1() {
 # routes at 8 sequences (one GPU: nothing to shard or reduce, so the same bytes), then the GPU
 # tests (call 22 cut them; call 23 ran them). paper3: the chunk size at 4 sequences without
 # clipping (where returns overlap the updates). A chunk size is one build: in call 23 each took
-# over 60 s (a 37 s build, then the first update cycle's page faults), so each gets 100. Long
-# context ran 32K and 64K in call 20, 131K in call 23 (`reproduce-long_context` runs it again).
+# over 60 s (a 37 s build, then the first update cycle's page faults), so each gets 100 (call 26:
+# 70-78 s). Long context ran 32K and 64K in call 20, 131K in call 23 (`reproduce-long_context`
+# runs it again).
 paper2() {
   stage_end=$(( SECONDS + ${PAPER_SECONDS:-300} ))
   paper 80 cpu_adam_scaling
@@ -155,11 +156,11 @@ paper3() {
 }
 # peers, peers2: the SlideFormer- and MegaTrain-style peers (re-implementations as policies of our
 # runtime, slidedp/peer_styles.py) at matched batches (Qwen3-4B, clipping at 1.0) beside SlideDP's
-# best settings per batch of calls 18-20, in one lease: two calls, peers2 right after peers. A
-# SlideDP-style launch over 1-16 sequences took 109 s in call 19, so each gets its own; in call 21
-# 80 s cut the first launch (which also compiles the CPU Adam) after 1 sequence and 130 s the
-# MegaTrain-style one after 4 (its update is faster since a06edf7). Rows are
-# labelled with recipes/reproduce's system names: `head_to_head --rows` makes the table after.
+# best settings per batch of calls 18-20, in one lease: two calls, peers2 right after peers (then
+# paper3 as a third). The limits are what calls 25-27 needed: a launch takes a ~40 s build (the
+# first one also compiles the CPU Adam), then 3-6 s per step; SlideDP's `keep` at 4 and 8 took
+# 93 s, SlideFormer-style `keep` at 4 and 8 104 s, MegaTrain-style `recompute` at 8 and 16 115 s.
+# Rows are labelled with recipes/reproduce's system names: `head_to_head --rows` makes the table.
 # The head-to-head's workload, shared by `h2h` and the peers: Qwen3-4B, seq 4096, clipping at 1.0.
 H2H=(--kernels liger --flavor qwen3-4B --seq 4096 --max-norm 1.0 --steps 2 --warmup 1 --no-memory-check)
 peer() {  # peer SECONDS LABEL BATCHES BENCH-ARGS...
@@ -169,18 +170,19 @@ peer() {  # peer SECONDS LABEL BATCHES BENCH-ARGS...
     "$@" ${BENCH_FLAGS:-}
 }
 peers() {
-  stage_end=$(( SECONDS + ${PAPER_SECONDS:-560} ))
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-570} ))
   peer 100 slidedp-recompute 1,2 --activation recompute
-  peer 80 slidedp-keep-gpuembed 4,8 --activation keep --embedding-update gpu
+  peer 120 slidedp-keep-gpuembed 4,8 --activation keep --embedding-update gpu
   peer 80 slidedp-selective-keep14-gpuembed 16 --activation selective --keep-blocks 14 \
     --embedding-update gpu
   peer 130 slideformer-recompute 1,2,4,8,16 --runtime slideformer --activation recompute
-  peer 150 megatrain-recompute 1,2,4,8,16 --runtime megatrain --activation recompute
+  peer 130 megatrain-recompute 1,2,4 --runtime megatrain --activation recompute
 }
 peers2() {  # `keep` at 16 does not fit
-  stage_end=$(( SECONDS + ${PAPER_SECONDS:-230} ))
-  peer 110 slideformer-keep 1,2,4,8 --runtime slideformer --activation keep
-  peer 110 megatrain-keep 1,2,4,8 --runtime megatrain --activation keep
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-570} ))
+  peer 180 slideformer-keep 1,2,4,8 --runtime slideformer --activation keep
+  peer 170 megatrain-recompute 8,16 --runtime megatrain --activation recompute
+  peer 200 megatrain-keep 1,2,4,8 --runtime megatrain --activation keep
 }
 # Issue 14: 2, 4 and 8 H200s of one host (nvidia-h200-x2, -x4, -x8), one device call of about 9
 # minutes per machine kind (docs/results/issue14_plan.md has each call and its predictions,

@@ -241,7 +241,7 @@ class Runner:
         runs.jsonl: its label, rank count, and the model, batches and length its flags name (one
         file may hold several models' rows under the same labels)."""
         flag = dict(zip(flags, flags[1:]))
-        batches = {int(b) for b in flag["--batches"].split(",")} if "--batches" in flag else None
+        batches = _named_batches(flags)
         seq = int(flag.get("--seq", self.args.seq))
         flavor = flag.get("--flavor", self.args.flavor)
         rows = [r for path in self.args.rows for r in _read_rows(Path(path))
@@ -254,6 +254,19 @@ class Runner:
 
     def _rows_written(self) -> list[dict]:
         return _read_rows(self.jsonl)
+
+
+def _named_batches(flags: Sequence[str]) -> set[int] | None:
+    """The local batches a bench launch's flags name: --batches, or the batch list ending each
+    --points spec (POLICY:B1,B2); None when they name none."""
+    flags = list(flags)
+    if "--batches" in flags:
+        return {int(b) for b in flags[flags.index("--batches") + 1].split(",")}
+    if "--points" not in flags:
+        return None
+    specs = flags[flags.index("--points") + 1:]
+    specs = specs[:next((i for i, f in enumerate(specs) if f.startswith("--")), len(specs))]
+    return {int(b) for spec in specs for b in spec.rsplit(":", 1)[1].split(",")}
 
 
 def _read_rows(path: Path) -> list[dict]:
