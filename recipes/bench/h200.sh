@@ -12,7 +12,8 @@
 #         host memory, the update order and the CPU Adam threads (one H200): clip8b tail4b threads8b
 #         the embedding's update on the GPU (one H200, issue 10's targets): embed
 #         baselines: sac4b offload4b offload8b dsinstall zero4b zero8b h2h (the head-to-head, one lease)
-#         the paper's experiments on one H200 after h2h: paper1 paper2 paper3 peers peers2; mix16 (a profile)
+#         the paper's experiments on one H200 after h2h: paper1 paper2 paper3 peers peers2; mix16 (a profile);
+#         the offloading baselines: offload offload2 (after dsinstall)
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
 #         issue 14, 2-8 GPUs of one host (one device call per machine kind, below): multi8b multi14b
@@ -169,12 +170,15 @@ peer() {  # peer SECONDS LABEL BATCHES BENCH-ARGS...
   within "$limit" "${bench[@]}" "${H2H[@]}" --mode slidedp --batches "$batches" --label "$label" \
     "$@" ${BENCH_FLAGS:-}
 }
-peers() {
-  stage_end=$(( SECONDS + ${PAPER_SECONDS:-570} ))
+slidedp_best() {  # SlideDP's best measured setting per batch, 1-16 sequences (300 s)
   peer 100 slidedp-recompute 1,2 --activation recompute
   peer 120 slidedp-keep-gpuembed 4,8 --activation keep --embedding-update gpu
   peer 80 slidedp-selective-keep14-gpuembed 16 --activation selective --keep-blocks 14 \
     --embedding-update gpu
+}
+peers() {
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-570} ))
+  slidedp_best
   peer 130 slideformer-recompute 1,2,4,8,16 --runtime slideformer --activation recompute
   peer 130 megatrain-recompute 1,2,4 --runtime megatrain --activation recompute
 }
@@ -183,6 +187,24 @@ peers2() {  # `keep` at 16 does not fit
   peer 180 slideformer-keep 1,2,4,8 --runtime slideformer --activation keep
   peer 170 megatrain-recompute 8,16 --runtime megatrain --activation recompute
   peer 200 megatrain-keep 1,2,4,8 --runtime megatrain --activation keep
+}
+# offload, offload2: the two offloading baselines not yet measured on a GPU, FSDP2 with
+# CPUOffloadPolicy and DeepSpeed ZeRO-3 Offload (full AC, the head-to-head's workload, labelled
+# with recipes/reproduce's system names), then SlideDP's best per batch in the same lease (the
+# next call), for `head_to_head --rows` and `batch_sweep --rows`. offload needs dsinstall first
+# (DeepSpeed's first launch JIT-builds its CPU Adam: 136 s in call 18).
+offload() {
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-570} ))
+  # shellcheck disable=SC2086  # BENCH_FLAGS: a CPU check, as for the peers
+  within 270 "${bench[@]}" "${H2H[@]}" --mode fsdp2 --ac full --fsdp-cpu-offload --batches 1,2,4,8,16 \
+    --label fsdp2-offload ${BENCH_FLAGS:-}
+  # shellcheck disable=SC2086
+  within 300 "${bench[@]}" "${H2H[@]}" --mode deepspeed --zero-stage 3 --ac full --batches 1,2,4,8,16 \
+    --label zero3-offload ${BENCH_FLAGS:-}
+}
+offload2() {
+  stage_end=$(( SECONDS + ${PAPER_SECONDS:-310} ))
+  slidedp_best
 }
 # Issue 14: 2, 4 and 8 H200s of one host (nvidia-h200-x2, -x4, -x8), one device call of about 9
 # minutes per machine kind (docs/results/issue14_plan.md has each call and its predictions,
@@ -518,7 +540,7 @@ for stage in "$@"; do
              --no-memory-check --embedding-update host,gpu --points selective:16 \
              "selective|0-13:keep:16" --trace-dir /tmp/traces --trace-batch 16 ${BENCH_FLAGS:-} ;;
     plan) plan_stage ;;
-    paper1|paper2|paper3|peers|peers2) "$stage" ;;
+    paper1|paper2|paper3|peers|peers2|offload|offload2) "$stage" ;;
     multi8b|multi14b|strong14b|weak32b|million|castcopy) "$stage" ;;
     routes14b) routes 4 8,16 200 ;;
     routes14b8) routes 8 64 330 --steps 1 ;;
