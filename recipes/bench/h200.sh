@@ -164,11 +164,14 @@ paper3() {
 # Rows are labelled with recipes/reproduce's system names: `head_to_head --rows` makes the table.
 # The head-to-head's workload, shared by `h2h` and the peers: Qwen3-4B, seq 4096, clipping at 1.0.
 H2H=(--kernels liger --flavor qwen3-4B --seq 4096 --max-norm 1.0 --steps 2 --warmup 1 --no-memory-check)
-peer() {  # peer SECONDS LABEL BATCHES BENCH-ARGS...
+labelled() {  # labelled SECONDS LABEL BATCHES BENCH-ARGS...: one launch of the H2H workload
   local limit=$1 label=$2 batches=$3; shift 3
   # shellcheck disable=SC2086  # BENCH_FLAGS is a list of flags (a CPU check, as for issue 14's)
-  within "$limit" "${bench[@]}" "${H2H[@]}" --mode slidedp --batches "$batches" --label "$label" \
-    "$@" ${BENCH_FLAGS:-}
+  within "$limit" "${bench[@]}" "${H2H[@]}" --batches "$batches" --label "$label" "$@" ${BENCH_FLAGS:-}
+}
+peer() {  # peer SECONDS LABEL BATCHES BENCH-ARGS...: a SlideDP-runtime launch
+  local limit=$1 label=$2 batches=$3; shift 3
+  labelled "$limit" "$label" "$batches" --mode slidedp "$@"
 }
 slidedp_best() {  # SlideDP's best measured setting per batch, 1-16 sequences (300 s)
   peer 100 slidedp-recompute 1,2 --activation recompute
@@ -195,12 +198,8 @@ peers2() {  # `keep` at 16 does not fit
 # (DeepSpeed's first launch JIT-builds its CPU Adam: 136 s in call 18).
 offload() {
   stage_end=$(( SECONDS + ${PAPER_SECONDS:-570} ))
-  # shellcheck disable=SC2086  # BENCH_FLAGS: a CPU check, as for the peers
-  within 270 "${bench[@]}" "${H2H[@]}" --mode fsdp2 --ac full --fsdp-cpu-offload --batches 1,2,4,8,16 \
-    --label fsdp2-offload ${BENCH_FLAGS:-}
-  # shellcheck disable=SC2086
-  within 300 "${bench[@]}" "${H2H[@]}" --mode deepspeed --zero-stage 3 --ac full --batches 1,2,4,8,16 \
-    --label zero3-offload ${BENCH_FLAGS:-}
+  labelled 270 fsdp2-offload 1,2,4,8,16 --mode fsdp2 --ac full --fsdp-cpu-offload
+  labelled 300 zero3-offload 1,2,4,8,16 --mode deepspeed --zero-stage 3 --ac full
 }
 offload2() {
   stage_end=$(( SECONDS + ${PAPER_SECONDS:-310} ))

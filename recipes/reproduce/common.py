@@ -257,16 +257,18 @@ class Runner:
 
 
 def _named_batches(flags: Sequence[str]) -> set[int] | None:
-    """The local batches a bench launch's flags name: --batches, or the batch list ending each
-    --points spec (POLICY:B1,B2); None when they name none."""
+    """The local batches a bench launch's flags name: --batches, or those of its --points specs
+    (POLICY:B1,B2); None when they name none."""
     flags = list(flags)
     if "--batches" in flags:
         return {int(b) for b in flags[flags.index("--batches") + 1].split(",")}
     if "--points" not in flags:
         return None
+    from recipes.bench.throughput import point_specs  # the bench's own parser (it imports torch)
+
     specs = flags[flags.index("--points") + 1:]
     specs = specs[:next((i for i, f in enumerate(specs) if f.startswith("--")), len(specs))]
-    return {int(b) for spec in specs for b in spec.rsplit(":", 1)[1].split(",")}
+    return {b for _, _, batches in point_specs(specs) for b in batches}
 
 
 def _read_rows(path: Path) -> list[dict]:
