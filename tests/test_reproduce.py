@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from recipes.reproduce import head_to_head, scaling
+from recipes.reproduce import batch_sweep, head_to_head, scaling
 from recipes.reproduce.common import geomean
 from tests.conftest import REPO, subprocess_env
 
@@ -99,6 +99,15 @@ def test_head_to_head_ratios_and_geometric_mean():
     mean = next(r for r in out if r["local_batch"] == "geomean")
     assert mean["ratio"] == pytest.approx(geomean([2.0, 1.5])) == pytest.approx(3 ** 0.5)
     assert not any(r["peer"] == "fsdp2" for r in out)  # no SlideDP point at batch 8
+
+
+def test_batch_sweep_plots_one_point_per_batch():
+    """Rows of two calls at the same batches plot as one line: the faster row at each batch."""
+    rows = [{"system": "s", "local_batch": b, "tokens_per_s": t} for b, t in
+            [(4, 10.0), (8, 30.0), (4, 12.0), (8, 20.0), (1, 5.0)]]
+    rows.append({"system": "other", "local_batch": 4, "tokens_per_s": 99.0})
+    picked = batch_sweep.fastest_per_batch(rows, "s")
+    assert [(r["local_batch"], r["tokens_per_s"]) for r in picked] == [(1, 5.0), (4, 12.0), (8, 30.0)]
 
 
 def test_scaling_efficiency():

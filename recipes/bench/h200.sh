@@ -191,11 +191,12 @@ peers2() {  # `keep` at 16 does not fit
   peer 170 megatrain-recompute 8,16 --runtime megatrain --activation recompute
   peer 200 megatrain-keep 1,2,4,8 --runtime megatrain --activation keep
 }
-# offload, offload2: the two offloading baselines not yet measured on a GPU, FSDP2 with
-# CPUOffloadPolicy and DeepSpeed ZeRO-3 Offload (full AC, the head-to-head's workload, labelled
-# with recipes/reproduce's system names), then SlideDP's best per batch in the same lease (the
-# next call), for `head_to_head --rows` and `batch_sweep --rows`. offload needs dsinstall first
-# (DeepSpeed's first launch JIT-builds its CPU Adam: 136 s in call 18).
+# offload, offload2: the two sharded offloading baselines, FSDP2 with CPUOffloadPolicy and
+# DeepSpeed ZeRO-3 Offload (full AC, the head-to-head's workload, labelled with recipes/reproduce's
+# system names), then SlideDP's best per batch in the same lease (the next call), for
+# `head_to_head --rows` and `batch_sweep --rows`. offload needs dsinstall first (DeepSpeed's first
+# launch JIT-builds its CPU Adam: ZeRO-3's built in 144 s). Calls 29-30: every point, in 478 s
+# (dsinstall included) and 284 s.
 offload() {
   stage_end=$(( SECONDS + ${PAPER_SECONDS:-570} ))
   labelled 270 fsdp2-offload 1,2,4,8,16 --mode fsdp2 --ac full --fsdp-cpu-offload
@@ -533,7 +534,8 @@ for stage in "$@"; do
     # updated on the GPU) gains over `selective` everywhere (16,116 in call 19, on the host): more
     # than the replays it saves (about 0.2 s of the reference's GPU time). Both policies under
     # both embedding updates in one build, each with one profiled step whose per-stream
-    # breakdown lands in its row (the traces stay on the machine).
+    # breakdown lands in its row (the traces stay on the machine). Call 32: with the same
+    # embedding update the mix gains 5.3%, the replays saved; the rest was the embedding update.
     # shellcheck disable=SC2086  # BENCH_FLAGS: a CPU check, as for issue 14's stages
     mix16) timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 1.0 \
              --no-memory-check --embedding-update host,gpu --points selective:16 \

@@ -20,18 +20,30 @@ COLUMNS = [SYSTEM, WORLD, BATCH, TOKENS, STEP, Column("mfu", "MFU", "{:.1%}"), G
            GPU_RESERVED, HOST_RSS]
 
 
+def fastest_per_batch(rows: list[dict], system: str) -> list[dict]:
+    """A system's fastest row at each batch, by batch: --rows may hold a point twice (several
+    calls), the table lists both, and a line through both would double back."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        b = r["local_batch"]
+        if r["system"] == system and (b not in best or r["tokens_per_s"] > best[b]["tokens_per_s"]):
+            best[b] = r
+    return [best[b] for b in sorted(best)]
+
+
 def plot(plt, rows: list[dict]):
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), layout="constrained")
     panels = [("tokens_per_s", "tokens/s"), ("peak_mem_reserved_gib", "peak GPU GiB (reserved)"),
               ("peak_rss_gib", "host RSS GiB (rank 0)")]
     for ax, (key, label) in zip(axes, panels):
         for system in dict.fromkeys(r["system"] for r in rows):
-            points = [(r["local_batch"], r[key]) for r in rows
-                      if r["system"] == system and r.get(key) is not None]
+            points = [(r["local_batch"], r[key]) for r in fastest_per_batch(rows, system)
+                      if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", label=system)
         log2_axis(ax, ylabel=label)
-    axes[0].legend(fontsize=8)
+    # Below the panels: inside one, the legend hid a line.
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
     fig.suptitle(f"{rows[0]['flavor']}, seq {rows[0]['seq']}, {rows[0]['world']} GPU(s)"
                  if rows else "no points")
     return fig
