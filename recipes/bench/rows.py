@@ -2,6 +2,7 @@
 JSONL file (docs/results/ keeps those files as the raw record)."""
 
 import json
+import os
 
 
 def emit(tag: str, row: dict, out: str = "") -> None:
@@ -9,5 +10,6 @@ def emit(tag: str, row: dict, out: str = "") -> None:
     line = json.dumps(row)
     print(f"[{tag}]", line, flush=True)
     if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "a") as f:
             f.write(line + "\n")

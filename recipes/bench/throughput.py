@@ -190,7 +190,8 @@ def main() -> None:
                    help="slidedp.autopolicy_candidates for --autopolicy (empty: its default set)")
     p.add_argument("--autopolicy-steps", type=int, default=MEASURED_STEPS,
                    help="steps per AutoPolicy measurement (the first after a change is dropped)")
-    p.add_argument("--out", default="throughput.jsonl")
+    p.add_argument("--out", default="outputs/bench/throughput.jsonl",
+                   help="JSONL file the rows are appended to (its folder is made)")
     p.add_argument("--report", nargs="*", help="print the markdown table of these JSONL files")
     a = p.parse_args()
     if a.report:
