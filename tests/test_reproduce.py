@@ -106,8 +106,9 @@ def test_batch_sweep_plots_one_point_per_batch():
     rows = [{"system": "s", "local_batch": b, "tokens_per_s": t} for b, t in
             [(4, 10.0), (8, 30.0), (4, 12.0), (8, 20.0), (1, 5.0)]]
     rows.append({"system": "other", "local_batch": 4, "tokens_per_s": 99.0})
-    picked = batch_sweep.fastest_per_batch(rows, "s")
-    assert [(r["local_batch"], r["tokens_per_s"]) for r in picked] == [(1, 5.0), (4, 12.0), (8, 30.0)]
+    picked = batch_sweep.lines(rows)
+    assert [(r["local_batch"], r["tokens_per_s"]) for r in picked["s"]] == [(1, 5.0), (4, 12.0), (8, 30.0)]
+    assert [r["tokens_per_s"] for r in picked["other"]] == [99.0]
 
 
 def test_scaling_efficiency():

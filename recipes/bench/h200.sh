@@ -530,12 +530,12 @@ for stage in "$@"; do
            --embedding-update gpu --label slidedp-keep-gpuembed
          within 80 "${bench[@]}" "${H2H[@]}" --mode slidedp --activation selective --keep-blocks 14 \
            --batches 16 --embedding-update gpu --label slidedp-selective-keep14-gpuembed ;;
-    # mix16: what the keep/selective mix at 16 sequences (21,114 tokens/s in call 20, embedding
-    # updated on the GPU) gains over `selective` everywhere (16,116 in call 19, on the host): more
-    # than the replays it saves (about 0.2 s of the reference's GPU time). Both policies under
-    # both embedding updates in one build, each with one profiled step whose per-stream
-    # breakdown lands in its row (the traces stay on the machine). Call 32: with the same
-    # embedding update the mix gains 5.3%, the replays saved; the rest was the embedding update.
+    # mix16: splits what the keep/selective mix at 16 sequences (21,114 tokens/s in call 20,
+    # embedding updated on the GPU) gains over `selective` everywhere (16,116 in call 19, on the
+    # host) between the kept blocks and the embedding update. Both policies under both embedding
+    # updates in one build, each with one profiled step whose per-stream breakdown lands in its
+    # row (the traces stay on the machine). Call 32: with the same embedding update the mix gains
+    # 5.3%, the replays saved; the rest was the embedding update.
     # shellcheck disable=SC2086  # BENCH_FLAGS: a CPU check, as for issue 14's stages
     mix16) timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 1.0 \
              --no-memory-check --embedding-update host,gpu --points selective:16 \

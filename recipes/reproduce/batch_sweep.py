@@ -6,8 +6,8 @@ local batch, per system, on every GPU found.
 """
 
 from recipes.reproduce.common import (BATCH, GPU_ALLOC, GPU_RESERVED, HOST_RSS, STEP, SYSTEM,
-                                      TOKENS, WORLD, Column, log2_axis, parser, select_systems,
-                                      start, write_outputs)
+                                      TOKENS, WORLD, Column, fastest, log2_axis, parser,
+                                      select_systems, start, write_outputs)
 
 PAPER = ("batch-size scaling and CPU memory for Qwen3-8B on 4 x RTX 4090 and Qwen3-14B on "
          "4 x H100, GPU memory against batch for Qwen3-14B (figures; the summary gives no values). "
@@ -20,25 +20,24 @@ COLUMNS = [SYSTEM, WORLD, BATCH, TOKENS, STEP, Column("mfu", "MFU", "{:.1%}"), G
            GPU_RESERVED, HOST_RSS]
 
 
-def fastest_per_batch(rows: list[dict], system: str) -> list[dict]:
-    """A system's fastest row at each batch, by batch: --rows may hold a point twice (several
+def lines(rows: list[dict]) -> dict[str, list[dict]]:
+    """Each system's fastest row at each batch, by batch: --rows may hold a point twice (several
     calls), the table lists both, and a line through both would double back."""
-    best: dict[int, dict] = {}
-    for r in rows:
-        b = r["local_batch"]
-        if r["system"] == system and (b not in best or r["tokens_per_s"] > best[b]["tokens_per_s"]):
-            best[b] = r
-    return [best[b] for b in sorted(best)]
+    best = fastest(rows, key=lambda r: (r["system"], r["local_batch"]))
+    out: dict[str, list[dict]] = {r["system"]: [] for r in rows}  # in order of first appearance
+    for system, batch in sorted(best, key=lambda k: k[1]):
+        out[system].append(best[system, batch])
+    return out
 
 
 def plot(plt, rows: list[dict]):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), layout="constrained")
     panels = [("tokens_per_s", "tokens/s"), ("peak_mem_reserved_gib", "peak GPU GiB (reserved)"),
               ("peak_rss_gib", "host RSS GiB (rank 0)")]
+    by_system = lines(rows)
     for ax, (key, label) in zip(axes, panels):
-        for system in dict.fromkeys(r["system"] for r in rows):
-            points = [(r["local_batch"], r[key]) for r in fastest_per_batch(rows, system)
-                      if r.get(key) is not None]
+        for system, line in by_system.items():
+            points = [(r["local_batch"], r[key]) for r in line if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", label=system)
         log2_axis(ax, ylabel=label)

@@ -20,7 +20,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -317,6 +317,16 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[Column]) -> str:
              "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(c.text(r) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def fastest(rows: Iterable[dict], key: Callable[[dict], Hashable]) -> dict[Hashable, dict]:
+    """The fastest row (tokens/s) for each value of key(row): a system's best setting."""
+    best: dict[Hashable, dict] = {}
+    for r in rows:
+        k = key(r)
+        if k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]:
+            best[k] = r
+    return best
 
 
 def geomean(values: Iterable[float]) -> float:

@@ -8,7 +8,7 @@ geometric mean of those ratios over the batches where both ran.
 
 from collections import defaultdict
 
-from recipes.reproduce.common import (BATCH, Column, geomean, log2_axis, parser,
+from recipes.reproduce.common import (BATCH, Column, fastest, geomean, log2_axis, parser,
                                       select_systems, start, write_outputs)
 
 PAPER = ("matched-batch sweeps: SlideDP's geometric-mean throughput ratio over SlideFormer, "
@@ -29,11 +29,7 @@ COLUMNS = [Column("peer", "peer"), BATCH,
 def matched(rows: list[dict]) -> list[dict]:
     """One row per (peer family, batch) where SlideDP and the peer both ran, then one geometric
     mean row per peer (local_batch "geomean")."""
-    best: dict[tuple[str, int], dict] = {}
-    for r in rows:
-        key = (r["family"], r["local_batch"])
-        if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
-            best[key] = r
+    best = fastest(rows, key=lambda r: (r["family"], r["local_batch"]))
     out, ratios = [], defaultdict(list)
     for (family, batch), peer in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         ours = best.get(("slidedp", batch))
