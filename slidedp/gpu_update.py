@@ -76,7 +76,12 @@ class GpuUpdate:
             b = min(a + GPU_CHUNK, self.hi)
             copies = [torch.empty(b - a, dtype=torch.float32, device=self.streams.device)
                       for _ in range(3)]
+            # The allocator may hand out memory that kernels already queued on the compute
+            # stream still read or write (a tensor freed by the host is reused at once there):
+            # the copies into it wait for those kernels.
+            allocated = self.streams.record()
             with self.streams.use(self.stream):
+                self.streams.wait(allocated, self.stream)
                 for copy, region in zip(copies, ("master", "exp_avg", "exp_avg_sq")):
                     if self.streams.is_cuda:
                         copy.record_stream(self.stream)
