@@ -2,11 +2,15 @@
 GPU must not race kernels still queued on the compute stream, and SlideDP with it must train as
 `single` does on a model of real width and depth. GPU only (run on the GPU machine)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from models.flavors import get_flavor
+from recipes.parallelize import build_backend
 from slidedp.engine import SlideDPBackend
+from slidedp.gpu_update import GPU_CHUNK
 from tests.slidedp_worker import make_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -23,7 +27,7 @@ def test_prefetch_waits_for_kernels_queued_on_the_memory_it_reuses():
                              dp_world=1)
     try:
         upd = backend.gpu_update
-        first = min(upd.hi - upd.lo, 1 << 26)
+        first = min(upd.hi - upd.lo, GPU_CHUNK)
         torch.cuda.synchronize()
         stale = torch.empty(first, dtype=torch.float32, device=device)
         address = stale.data_ptr()
@@ -45,10 +49,6 @@ def _lockstep(flavor: str, layers: int, *, max_norm: float, where: str, steps: i
               batch: int = 2, seq: int = 1024) -> list[tuple[float, float, float, float]]:
     """(single's loss, SlideDP's, single's gradient norm, SlideDP's) per step, both from the same
     init on the same batches; SlideDP with its embedding updated on the `where` side."""
-    from dataclasses import replace
-
-    from recipes.parallelize import build_backend
-
     device = torch.device("cuda", 0)
     args = replace(get_flavor(flavor), n_layers=layers)
     cfg = make_config({"embedding_update": where, "nonfinite": "skip" if max_norm else "off"},
