@@ -1,10 +1,9 @@
 """The embedding's AdamW on the GPU (slidedp.embedding_update = "gpu").
 
 The embedding's gradient is the last of backward to be complete (tied, it holds the head's too),
-and the next forward needs the embedding first, so its host update is the step's tail: on one
-H200 with Qwen3-4B at 8 sequences, 0.11 s of a 1.81 s step (docs/PERFORMANCE.md), the CPU Adam
-over 389M parameters at ~5 Gparam/s, memory-bound. The GPU does the same AdamW in milliseconds
-if the state is there. So this rank's shard of the unit's FP32 master and moments (12 B/param)
+and the next forward needs the embedding first, so its host update is the step's tail: the CPU
+Adam is memory-bound, and a vocabulary of 152K rows makes the embedding the largest unit. The GPU
+does the same AdamW in milliseconds if the state is there. So this rank's shard of the unit's FP32 master and moments (12 B/param)
 is copied to the GPU while the last blocks' backward runs (`prefetch`), updated there by
 torch's fused AdamW (the formula of csrc/cpu_adam.cpp, which follows torch's), and copied home
 (`update`): the delivery source first (the BF16 shadow, or the FP32 master without one), whose
@@ -78,7 +77,9 @@ class GpuUpdate:
                       for _ in range(3)]
             # The allocator may hand out memory that kernels already queued on the compute
             # stream still read or write (a tensor freed by the host is reused at once there):
-            # the copies into it wait for those kernels.
+            # the copies into it wait for those kernels. Unordered, the copies overwrite
+            # backward's inputs while it runs far behind the host (large micro-batches), and the
+            # gradients come out NaN (tests/test_gpu_update.py).
             allocated = self.streams.record()
             with self.streams.use(self.stream):
                 self.streams.wait(allocated, self.stream)

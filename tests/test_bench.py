@@ -1,12 +1,25 @@
-"""The benchmark helpers: per-stream GPU breakdown of a trace, and the markdown report."""
+"""The benchmark helpers: per-stream GPU breakdown of a trace, the markdown report, and the
+training record of each row (a row whose steps did not train is written invalid, fails the
+bench and is refused by the report)."""
 
 import gzip
+import itertools
 import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 
+from recipes.bench import throughput
+from recipes.bench.rows import training
 from recipes.bench.throughput import point_specs, report
 from recipes.bench.timeline import breakdown
+from tests.conftest import REPO, free_port, subprocess_env
+
+TRAINED = training([6.2, 6.1], [3.0, 2.9], [False, False])
+"""The training record of a row whose two timed steps trained."""
 
 
 def test_breakdown_attributes_compute_gaps(tmp_path):
@@ -37,9 +50,9 @@ def test_breakdown_attributes_compute_gaps(tmp_path):
 
 
 def test_report_ratios_per_model(tmp_path):
-    base = {"label": "", "route": "-", "world": 2, "seq": 4096, "keep_blocks": None, "mfu": 0.5,
-            "tflops_per_gpu": 390.0, "peak_mem_alloc_gib": 50.0, "peak_mem_reserved_gib": 60.0,
-            "peak_rss_gib": 1.0, "step_time_s": 1.0}
+    base = {"label": "", "route": "-", "kernels": "torch", "world": 2, "seq": 4096,
+            "keep_blocks": None, "mfu": 0.5, "tflops_per_gpu": 390.0, "peak_mem_alloc_gib": 50.0,
+            "peak_mem_reserved_gib": 60.0, "peak_rss_gib": 1.0, "step_time_s": 1.0, **TRAINED}
     rows = [dict(base, mode="reference", flavor="qwen3-8B", ac="full", local_batch=16, tokens_per_s=1000.0),
             dict(base, mode="fsdp2", flavor="qwen3-8B", ac="full", local_batch=16, tokens_per_s=800.0),
             dict(base, mode="slidedp", flavor="qwen3-8B", ac="recompute", local_batch=16,
@@ -71,26 +84,114 @@ def test_point_specs_take_per_point_block_policies():
                      ("segments(qkv+mlp_up)", "0:keep", [8])]
 
 
+TINY = ["--kernels", "torch", "--flavor", "qwen3-debug", "--seq", "32", "--max-norm", "1.0",
+        "--warmup", "0", "--no-memory-check"]
+"""The bench on the CPU debug model, one rank."""
+
+
+def _bench(flags: list[str], out) -> list[dict]:
+    """One launch of the bench on one rank (env:// by hand) with `flags`; the rows it wrote."""
+    env = dict(subprocess_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    proc = subprocess.run([sys.executable, "-m", "recipes.bench.throughput", *TINY, *flags,
+                           "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
 def test_trace_dir_is_made_and_each_point_gets_its_own_trace(tmp_path):
     """--trace-dir that does not exist yet: the bench makes it, and two points at the same batch
     each write their own profiled step (and report its time in their row)."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO, free_port, subprocess_env
-
-    traces, out = tmp_path / "new" / "traces", tmp_path / "runs.jsonl"
-    env = dict(subprocess_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-               WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    proc = subprocess.run([sys.executable, "-m", "recipes.bench.throughput", "--mode", "slidedp",
-                           "--kernels", "torch", "--flavor", "qwen3-debug", "--seq", "32",
-                           "--max-norm", "1.0", "--warmup", "0", "--steps", "1",
-                           "--no-memory-check", "--points", "selective:2", "selective|0-1:keep:2",
-                           "--trace-dir", str(traces), "--trace-batch", "2", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    traces = tmp_path / "new" / "traces"
+    rows = _bench(["--mode", "slidedp", "--steps", "1", "--points", "selective:2",
+                   "selective|0-1:keep:2", "--trace-dir", str(traces), "--trace-batch", "2"],
+                  tmp_path / "runs.jsonl")
     assert sorted(p.name for p in traces.iterdir()) == [
         "slidedp_sharded-gpu_p0_b2x1.json.gz", "slidedp_sharded-gpu_p1_b2x1.json.gz"]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["activation_blocks"] for r in rows] == ["", "0-1:keep"]
     assert all(r["traced_step_s"] > 0 for r in rows)
+    assert all(len(r["loss"]) == 1 for r in rows)  # the traced step is not a timed one
+
+
+@pytest.mark.parametrize("mode", ["slidedp", "fsdp2", "reference"])
+def test_each_row_records_what_its_timed_steps_trained(mode, tmp_path):
+    """Every mode's row: per timed step a finite loss near ln(vocab) (random weights), a finite
+    gradient norm and no skipped update, so the row is valid and the report reads it."""
+    out = tmp_path / "runs.jsonl"
+    rows = _bench(["--mode", mode, "--batches", "1,2", "--steps", "2"], out)
+    assert len(rows) == 2
+    for r in rows:
+        assert len(r["loss"]) == len(r["grad_norm"]) == len(r["skipped"]) == 2
+        assert all(abs(loss - math.log(2048)) < 1.5 for loss in r["loss"]), r["loss"]
+        assert all(math.isfinite(g) and g > 0 for g in r["grad_norm"]), r["grad_norm"]
+        assert r["skipped"] == [False, False]
+        assert r["valid"] is True and r["invalid_reason"] is None
+    assert report([str(out)]).count(f"| {mode} |") == 2
+
+
+def _poison_step(monkeypatch, call: int, **fault) -> None:
+    """The bench's backends return `fault` (StepResult fields) from their `call`-th step."""
+    build = throughput.build_backend
+
+    def poisoned_build(*args, **kwargs):
+        backend = build(*args, **kwargs)
+        train_step, calls = backend.train_step, itertools.count(1)
+
+        def train_step_with_fault(*a, **kw):
+            result = train_step(*a, **kw)
+            return replace(result, **fault) if next(calls) == call else result
+
+        backend.train_step = train_step_with_fault
+        return backend
+
+    monkeypatch.setattr(throughput, "build_backend", poisoned_build)
+
+
+@pytest.mark.parametrize("fault, reason", [
+    ({"loss_sum": float("nan")}, "timed step 1: loss nan, gradient norm"),
+    ({"skipped": True}, "timed step 1: update skipped")])
+def test_a_row_whose_step_did_not_train_is_written_invalid_and_fails_the_bench(
+        monkeypatch, tmp_path, fault, reason):
+    """SlideDP at 1 and 2 sequences (one warm-up step each, then 2 timed ones) with the first
+    point's first timed step faulty: both rows are written, the first marked invalid with the
+    reason, and the bench exits non-zero after the last; the report refuses the file."""
+    _poison_step(monkeypatch, call=2, **fault)
+    out = tmp_path / "runs.jsonl"
+    monkeypatch.setattr(sys, "argv", ["throughput", "--mode", "slidedp", *TINY, "--batches",
+                                      "1,2", "--steps", "2", "--out", str(out)])
+    with pytest.raises(SystemExit) as failed:
+        throughput.main()
+    assert failed.value.code not in (None, 0)
+    assert "1 of 2 rows invalid" in str(failed.value) and reason in str(failed.value)
+    first, second = [json.loads(line) for line in out.read_text().splitlines()]
+    assert first["valid"] is False and first["invalid_reason"].startswith(reason)
+    assert second["valid"] is True and second["skipped"] == [False, False]
+    if "loss_sum" in fault:
+        assert math.isnan(first["loss"][0]) and math.isfinite(first["loss"][1])
+    with pytest.raises(SystemExit, match=f"{out}: 1 of 2 rows refused"):
+        report([str(out)])
+
+
+@pytest.mark.parametrize("row, why", [
+    ({"grad_norm": [3.0, float("inf")]}, "invalid: timed step 2: loss 6.1, gradient norm inf"),
+    ({"skipped": [True, False]}, "invalid: timed step 1: update skipped"),
+    ({"loss": None}, "lacks loss"),
+    ({"loss": None, "grad_norm": None, "skipped": None, "valid": None},
+     "lacks loss, grad_norm, skipped, valid")])
+def test_report_refuses_rows_that_did_not_train_or_do_not_say(tmp_path, row, why):
+    """--report: one row whose steps did not train, or one without the training record (rows
+    from before it existed), and the whole file is refused, naming it and the row."""
+    good = {"mode": "slidedp", "label": "", "flavor": "qwen3-8B", "route": "sharded/gpu",
+            "kernels": "torch", "ac": "recompute", "world": 1, "seq": 4096, "local_batch": 4,
+            "accum": 1, "tokens_per_s": 900.0, "peak_rss_gib": 1.0, **TRAINED}
+    bad = {k: v for k, v in {**good, "local_batch": 8, **row}.items() if v is not None}
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (good, bad)))
+    with pytest.raises(SystemExit) as refused:
+        report([str(path)])
+    message = str(refused.value)
+    assert f"{path}: 1 of 2 rows refused" in message
+    assert ("line 2 (mode=slidedp, label=, flavor=qwen3-8B, route=sharded/gpu, ac=recompute, "
+            f"world=1, seq=4096, local_batch=8, accum=1): {why}") in message
+    assert "line 1" not in message

@@ -1,14 +1,18 @@
 """Each experiment script of recipes/reproduce/ end to end on the CPU (--tiny: qwen3-debug,
 short sequences, a point or two per system): its CSV has the script's columns and a row per
-point, its markdown has the table and the paper's figure, its PNG exists; and the head-to-head
-and scaling arithmetic on known rows."""
+point, its markdown has the table and the paper's figure, its PNG exists; each script that
+reads bench rows refuses rows whose steps did not train; and the head-to-head and scaling
+arithmetic on known rows."""
 
 import csv
+import importlib
+import json
 import subprocess
 import sys
 
 import pytest
 
+from recipes.bench.rows import training
 from recipes.reproduce import batch_sweep, head_to_head, scaling
 from recipes.reproduce.common import geomean
 from tests.conftest import REPO, subprocess_env
@@ -60,6 +64,32 @@ def _same_from_recorded_rows(name: str, flags: list[str], run_dir) -> None:
     assert " x1: " not in proc.stdout and " x2: " not in proc.stdout  # no launch line
     assert (again / f"{name}.csv").read_text() == (run_dir / f"{name}.csv").read_text()
     assert "Rows recorded before" in (again / f"{name}.md").read_text()
+
+
+@pytest.mark.parametrize("name", [n for n in SCRIPTS if n != "cpu_adam_scaling"])
+@pytest.mark.parametrize("fault, why", [({"loss": [float("nan")]}, "invalid: timed step 1: loss nan"),
+                                        ({"valid": None}, "lacks valid")])
+def test_recorded_rows_that_did_not_train_are_refused(monkeypatch, tmp_path, name, fault, why):
+    """--rows with a file holding one row whose step did not train (or that does not say, as
+    rows from before the record): the script stops with an error naming the file and the row,
+    and writes no table."""
+    row = {"mode": "slidedp", "label": "slidedp-recompute", "flavor": "qwen3-debug",
+           "route": "sharded/gpu", "ac": "recompute", "world": 1, "seq": 64, "local_batch": 1,
+           "accum": 1, "tokens_per_s": 100.0, "step_time_s": 0.64,
+           **training([6.9], [3.0], [False])}
+    bad = {k: v for k, v in {**row, **fault}.items() if v is not None}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(row) + "\n" + json.dumps(bad) + "\n")
+    monkeypatch.setattr(sys, "argv", [name, "--tiny", "--rows", str(rows), "--out-dir",
+                                      str(tmp_path / "out"), *SCRIPTS[name][0]])
+    with pytest.raises(SystemExit) as refused:
+        importlib.import_module(f"recipes.reproduce.{name}").main()
+    message = str(refused.value)
+    assert message.startswith(f"error: {rows}: 1 of 2 rows refused")
+    assert ("line 2 (mode=slidedp, label=slidedp-recompute, flavor=qwen3-debug, "
+            f"route=sharded/gpu, ac=recompute, world=1, seq=64, local_batch=1, accum=1): {why}"
+            ) in message
+    assert not (tmp_path / "out" / f"{name}.md").exists()
 
 
 @pytest.mark.filterwarnings("ignore:No artists with labels")  # the plot of no rows

@@ -7,7 +7,9 @@ Random weights built on the GPU in BF16 from our flavor's config.json (models/hf
 forward + backward with the model's own loss (liger's fused linear + cross-entropy when patched),
 gradients dropped each step as in recipes/bench/throughput.py's reference; the median of `--steps`
 after `--warmup`. Rows have mode "hf" and the same columns as throughput.py's, so
-`python -m recipes.bench.throughput --report` puts them in one table.
+`python -m recipes.bench.throughput --report` puts them in one table; as there, each records its
+timed steps' losses and gradient norms (recipes/bench/rows.py), and the bench exits non-zero
+after its last row when one is invalid.
 """
 
 import argparse
@@ -18,7 +20,8 @@ import torch
 
 from models.flavors import get_flavor
 from models.hf_checkpoint import to_hf_config
-from recipes.bench.rows import emit
+from recipes.baselines.eager import clip_grad_norm
+from recipes.bench.rows import emit, exit_if_invalid, training
 from recipes.metrics import memory, throughput
 
 
@@ -52,20 +55,26 @@ def main() -> None:
     a = p.parse_args()
     model = _model(a.flavor, liger=a.liger, attention=a.attention)
     args = get_flavor(a.flavor)
+    params, written = list(model.parameters()), []
     for batch in map(int, a.batches.split(",")):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         gen = torch.Generator(device="cuda").manual_seed(0)
-        times = []
+        times, losses, norms = [], [], []
         for i in range(a.warmup + a.steps):
             tokens = torch.randint(0, args.vocab_size, (batch, a.seq), device="cuda", generator=gen)
             start = time.perf_counter()
-            model(input_ids=tokens, labels=tokens).loss.backward()
-            for param in model.parameters():
+            loss = model(input_ids=tokens, labels=tokens).loss  # per target token
+            loss.backward()
+            # As the reference's: one fused reduction, the proof that backward was finite.
+            norm = clip_grad_norm(params, max_norm=0.0, sharded=False)
+            for param in params:
                 param.grad = None
             torch.cuda.synchronize()
             if i >= a.warmup:
                 times.append(time.perf_counter() - start)
+                losses.append(loss.item())
+                norms.append(norm)
         step_time = statistics.median(times)
         row = {"mode": "hf", "label": "liger" if a.liger else "plain", "flavor": a.flavor,
                "route": "", "kernels": "liger" if a.liger else "torch",
@@ -73,8 +82,11 @@ def main() -> None:
                "local_batch": batch, "accum": 1, "step_time_s": step_time,
                **throughput(global_tokens=batch * a.seq, step_time=step_time,
                             flops_per_token=args.flops_per_token(a.seq), world=1, on_cuda=True),
-               **memory(torch.device("cuda"))}
+               **memory(torch.device("cuda")),
+               **training(losses, norms, [False] * len(losses))}  # no update to skip
         emit("bench", row, a.out)
+        written.append(row)
+    exit_if_invalid(written, a.out)
 
 
 if __name__ == "__main__":

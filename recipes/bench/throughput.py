@@ -20,11 +20,13 @@ compute-only reference of docs/DESIGN.md §7.1: the BF16 model resident on each 
 forward+backward only, no host traffic and no communication (each rank alone; the global rate is
 the per-GPU rate x ranks).
 Each point: `--warmup` steps, then the median of `--steps` timed steps (device synchronized).
+Each row records every timed step's loss, gradient norm and skipped update (recipes/bench/rows.py:
+the reference's are rank 0's own, and it updates nothing); a row whose steps did not train is
+written marked invalid, and the bench exits non-zero after its last row.
 """
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import time
@@ -36,11 +38,13 @@ import torch.distributed as dist
 from models.args import QwenArgs
 from models.kernels import Kernels, sdpa_backend_used
 from models.qwen import QwenModel
+from protocols.backend import StepResult
 from recipes.config import ConfigError, JobConfig, resolve_model
 from recipes.metrics import memory, throughput
-from recipes.bench.rows import emit
+from recipes.bench.rows import emit, exit_if_invalid, read_rows, training
 from recipes.bench.timeline import breakdown
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
+from recipes.baselines.eager import clip_grad_norm
 from recipes.parallelize import build_backend, build_kernels
 from recipes.preflight import check_mode_options, check_seq_len
 from recipes.train import SyntheticBatches, process_group_backend
@@ -64,14 +68,15 @@ class _Reference:
         apply_activation_checkpointing(self.model, mode=ac)
         self.loss_chunk = loss_chunk
 
-    def step(self, batch) -> dict:
+    def step(self, batch) -> StepResult:
         tokens, labels = (t.to(self.model.embed_tokens.weight.device) for t in batch)
-        loss = self.model.loss_sum(self.model(tokens), labels,
-                                   chunk_tokens=self.loss_chunk) / labels.numel()
-        loss.backward()
+        loss_sum = self.model.loss_sum(self.model(tokens), labels, chunk_tokens=self.loss_chunk)
+        (loss_sum / labels.numel()).backward()
+        # The norm (one fused reduction) shows that backward produced finite gradients.
+        grad_norm = clip_grad_norm(list(self.model.parameters()), max_norm=0.0, sharded=False)
         for p in self.model.parameters():
             p.grad = None
-        return {}
+        return StepResult(loss_sum=loss_sum.item(), grad_norm=grad_norm)
 
 
 def _profiler() -> torch.profiler.profile:
@@ -242,6 +247,7 @@ def main() -> None:
               for embedding in embeddings]
     context = dict(args=args, rank=rank, world=world, device=device)
     keys = dict(kernels=kernels.name, attention_op=attention_op, world=world, device=device)
+    written: list[dict] = []
     for route in routes:
         if a.mode == "slidedp":
             backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
@@ -267,12 +273,17 @@ def main() -> None:
                        **keys)
             if rank == 0:
                 emit("bench", row, a.out)
+                written.append(row)
     if a.autopolicy and a.mode == "slidedp":
-        _autopolicy(a, backend, route=routes[-1], keys=keys, **context)
+        row = _autopolicy(a, backend, route=routes[-1], keys=keys, **context)
+        if rank == 0:
+            emit("bench", row, a.out)
+            written.append(row)
     if a.mode != "reference":
         backend.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+    exit_if_invalid(written, a.out)
 
 
 def point_specs(points: list[str], *, blocks: str = "") -> list[tuple[str, str, list[int]]]:
@@ -294,9 +305,9 @@ def _specs(a: argparse.Namespace) -> list[tuple[str, str, list[int]]]:
 def _train_step(backend, *, accum: int, tokens: int):
     """One training step of `backend` on a batch split into `accum` micro-batches."""
 
-    def step(data) -> dict:
+    def step(data) -> StepResult:
         micro = list(zip(*(t.chunk(accum) for t in data)))
-        return backend.train_step(micro, lr=1e-5, global_target_tokens=tokens).extra
+        return backend.train_step(micro, lr=1e-5, global_target_tokens=tokens)
 
     return step
 
@@ -304,11 +315,12 @@ def _train_step(backend, *, accum: int, tokens: int):
 def _measure(a: argparse.Namespace, step, *, args: QwenArgs, batch: int, name: str, rank: int,
              world: int, device: torch.device) -> dict:
     """`--warmup` steps, the median of `--steps` timed ones (device synchronized), the means of
-    the backend's counters over them, and with `--trace-dir` one profiled step after them."""
+    the backend's counters over them, what each trained (rows.training), and with
+    `--trace-dir` one profiled step after them."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-    times, extras, traced = [], [], {}
+    times, results, traced = [], [], {}
     # SlideDP's host updates of step t run on during step t+1 (all of them with clipping): the
     # warm-up must hold one whole update cycle (the first also faults in the Adam moments' host
     # pages).
@@ -324,7 +336,7 @@ def _measure(a: argparse.Namespace, step, *, args: QwenArgs, batch: int, name: s
         prof = _profiler() if profiling else contextlib.nullcontext()
         start = time.perf_counter()
         with prof:
-            extra = step(data)
+            result = step(data)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -335,13 +347,18 @@ def _measure(a: argparse.Namespace, step, *, args: QwenArgs, batch: int, name: s
             traced = {"traced_step_s": elapsed, **breakdown(path, step_time_s=elapsed)}
         elif warmup <= i < n_timed:
             times.append(elapsed)
-            extras.append(extra)
+            results.append(result)
+    extras = [r.extra for r in results]
+    # The loss targets of a step: every position of the batch, the reference's of rank 0 alone.
+    targets = batch * a.seq * (1 if a.mode == "reference" else world)
     return {"step_time_s": statistics.median(times),
             # A step reports a key only when it has one (update_tail_s: when a step's updates all
             # ended), so each mean is over the steps that have it.
             **{k: statistics.mean(e[k] for e in extras if k in e)
                for k in dict.fromkeys(k for e in extras for k in e)},
-            **traced}
+            **traced,
+            **training([r.loss_sum / targets for r in results], [r.grad_norm for r in results],
+                       [r.skipped for r in results])}
 
 
 def _runtime_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
@@ -376,10 +393,11 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
 
 
 def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args: QwenArgs,
-                rank: int, world: int, device: torch.device) -> None:
+                rank: int, world: int, device: torch.device) -> dict:
     """AutoPolicy (slidedp/plan/autopolicy.py) on this build at `--autopolicy` sequences per GPU,
-    then its choice measured like every point: a row labelled "autopolicy" with the selection's
-    time and steps and the configuration it started from measured by AutoPolicy itself."""
+    then its choice measured like every point: its row, labelled "autopolicy", with the
+    selection's time and steps and the configuration it started from measured by AutoPolicy
+    itself."""
     cfg = _config(a, route)
     cfg.training.local_batch_size = a.autopolicy
     # It starts from the configured policies (--activation, ...), update order and threads, not
@@ -402,14 +420,12 @@ def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args:
     slidedp = dict(activation_blocks=format_blocks(policies, policies[0]), keep_blocks=0,
                    slots=s.window_slots, chunk_mib=s.chunk_mib, update_order=cfg.slidedp.update_order,
                    embedding_update=cfg.slidedp.embedding_update, **_runtime_state(a, backend, args))
-    row = _row(a, args=args, route=f"{s.delivery}/{s.reduction}", ac=policies[0].name,
-               batch=a.autopolicy, accum=1, slidedp=slidedp, label="autopolicy",
-               measured={**measured, "selection_s": chosen["selection_s"],
-                         "selection_steps": chosen["steps"],
-                         "autopolicy_given_s": chosen["baseline_s"],
-                         "autopolicy_chosen_s": chosen["step_s"]}, **keys)
-    if rank == 0:
-        emit("bench", row, a.out)
+    return _row(a, args=args, route=f"{s.delivery}/{s.reduction}", ac=policies[0].name,
+                batch=a.autopolicy, accum=1, slidedp=slidedp, label="autopolicy",
+                measured={**measured, "selection_s": chosen["selection_s"],
+                          "selection_steps": chosen["steps"],
+                          "autopolicy_given_s": chosen["baseline_s"],
+                          "autopolicy_chosen_s": chosen["step_s"]}, **keys)
 
 
 def system_name(row: dict) -> str:
@@ -431,11 +447,9 @@ def system_name(row: dict) -> str:
 def report(paths: list[str]) -> str:
     """Markdown table; ratios against the compute-only reference at the same batch, seq and
     kernels (same checkpointing where both exist; an unlabelled reference row) and against the
-    best FSDP2 throughput on the same kernels. Rows from before the kernel switch ran the torch
-    kernels."""
-    rows = [json.loads(line) for path in paths for line in open(path) if line.strip()]
-    for r in rows:
-        r.setdefault("kernels", "torch")
+    best FSDP2 throughput on the same kernels. Files with rows whose steps did not train are
+    refused (rows.read_rows)."""
+    rows = [r for path in paths for r in read_rows(path)]
     refs = {(r["flavor"], r["kernels"], r["local_batch"], r["seq"], r["ac"]): r["tokens_per_s"]
             for r in rows if r["mode"] == "reference" and not r["label"]}  # labelled: variants
     best_fsdp2: dict[tuple[str, str], float] = {}

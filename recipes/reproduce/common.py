@@ -8,7 +8,8 @@ run each script end to end that way). A point that fails (out of memory, say) is
 the tail of its output and the run goes on; the points measured before it are kept. With
 `--rows FILE ...` nothing is launched: the table and plot are made from rows recorded before
 (e.g. one lease's rows spread over two calls), each launch's rows found by its label, batches,
-length and rank count.
+length and rank count. Rows are read through recipes/bench/rows.py's read_rows: a file with a row
+whose steps did not train (or that does not say) ends the experiment with an error naming it.
 """
 
 import argparse
@@ -24,6 +25,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from recipes.bench.rows import read_rows
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = Path("docs/results")
@@ -272,9 +275,7 @@ def _named_batches(flags: Sequence[str]) -> set[int] | None:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_rows(path) if path.exists() else []
 
 
 @dataclass(frozen=True)

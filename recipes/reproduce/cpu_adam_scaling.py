@@ -15,12 +15,9 @@ from slidedp.plan import stream
 PAPER = ("on the H100 host CPU Adam reaches an estimated 182-184 GB/s at 16 physical cores "
          "across 101-488M-parameter layers; 32 cores improve the update by only 8.5-10.0%.")
 
-NOTES = ("Measured here before (one H200 host, 16 cores): our Adam 5.14 Gparam/s = 144 GB/s at "
-         "28 B/param (docs/DESIGN.md §3b) and 129 GB/s (2026-12-02), while torch's copy_ reached "
-         "61-68 GB/s and a triad through torch.add 74.5 GB/s: a torch op is not the memory "
-         "bandwidth. The triad here is STREAM's loop on our update's threads (triad loop "
-         "'slidedp'; 'torch' where the C++ library could not be built). STREAM does not count "
-         "the write-allocate read of the array it writes; our Adam writes only what it read.")
+NOTES = ("The triad is STREAM's loop on our update's threads (triad loop 'slidedp'; 'torch' where "
+         "the C++ library could not be built). STREAM does not count the write-allocate read of "
+         "the array it writes; our Adam writes only what it read.")
 
 COLUMNS = [Column("threads", "threads"), Column("ours_gparams", "ours Gparam/s", "{:.2f}"),
            Column("ours_gbs", "ours GB/s", "{:.1f}"),
