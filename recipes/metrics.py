@@ -4,7 +4,8 @@ TensorBoard run folder of its own, and as a progress line.
 Definitions (docs/DESIGN.md §7.1): tokens/s is the step's global tokens over its wall time;
 model FLOPs per token are `QwenArgs.flops_per_token(seq_len)` = 6·N (all parameters) + causal
 attention 6·L·seq·(heads·head_dim), recomputation not counted; TFLOP/s per GPU and MFU exist only
-on CUDA devices (a CPU run has neither a GPU nor its peak, so they are not reported there).
+on CUDA devices (a CPU run has neither a GPU nor its peak, so they are not reported there); MFU
+is against the device's datasheet dense BF16 peak (DENSE_BF16_TFLOPS), None for a GPU not in it.
 
 A resumed run continues its predecessor's records: metrics.jsonl keeps the rows up to the step it
 resumes from (rewritten atomically, so a crash leaves the old file or the new one), and its
@@ -24,21 +25,35 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PEAK_BF16_TFLOPS = 779.0
-"""Measured BF16 GEMM throughput of one H200 (docs/DESIGN.md §7.1): the MFU denominator."""
+DENSE_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0,
+                     "H200": 989.0, "A800": 312.0, "A100": 312.0, "4090": 165.0}
+"""Datasheet dense BF16 tensor TFLOP/s (no sparsity) by a part of the name torch gives the
+device, the first that matches: the MFU denominator (docs/DESIGN.md §7.1). "H100" and "H200"
+alone are the SXM parts."""
 
 _GIB = 2**30
 
 
+def gpu_name(device: torch.device) -> str | None:
+    """The name torch gives a CUDA device; None for any other device."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def peak_bf16_tflops(gpu: str) -> float | None:
+    """The datasheet dense BF16 TFLOP/s of the GPU named `gpu`; None if the table lacks it."""
+    return next((peak for part, peak in DENSE_BF16_TFLOPS.items() if part in gpu), None)
+
+
 def throughput(*, global_tokens: int, step_time: float, flops_per_token: float, world: int,
-               on_cuda: bool) -> dict[str, float]:
-    """Global tokens/s of one step; on CUDA also model TFLOP/s per GPU and MFU."""
+               gpu: str | None) -> dict[str, float | None]:
+    """Global tokens/s of one step; on a GPU (`gpu`: its name) also TFLOP/s per GPU, peak, MFU."""
     tokens_per_s = global_tokens / step_time
-    if not on_cuda:
+    if gpu is None:
         return {"tokens_per_s": tokens_per_s}
     tflops = flops_per_token * tokens_per_s / world / 1e12
-    return {"tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
-            "mfu": tflops / PEAK_BF16_TFLOPS}
+    peak = peak_bf16_tflops(gpu)
+    return {"tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops, "peak_bf16_tflops": peak,
+            "mfu": None if peak is None else tflops / peak}
 
 
 def memory(device: torch.device) -> dict[str, float | None]:
@@ -73,8 +88,9 @@ def format_line(step: int, m: dict[str, Any], *, total_steps: int, eta_s: float)
              f"{m['tokens_per_s']:,.0f} tok/s"]
     if "tflops_per_gpu" in m:
         parts.append(f"{m['tflops_per_gpu']:.3g} TFLOP/s/gpu")
-    if m.get("mfu") is not None:
-        parts.append(f"mfu {100 * m['mfu']:.1f}%")
+    if "mfu" in m:
+        parts.append("mfu unknown (no datasheet BF16 peak for this GPU)" if m["mfu"] is None
+                     else f"mfu {100 * m['mfu']:.1f}%")
     if m["peak_mem_alloc_gib"] is not None:
         parts.append(f"mem {m['peak_mem_alloc_gib']:.1f}/{m['peak_mem_reserved_gib']:.1f} GiB")
     parts += [f"rss {m['peak_rss_gib']:.2f} GiB", f"{m['step_time_s']:.3f} s/step"]

@@ -31,7 +31,7 @@ from recipes.checkpoint import TRAIN_STATE, CheckpointSaver, HFExport, read_meta
 from recipes.config import ConfigError, JobConfig, parse_config
 from recipes.liveness import exit_with_launcher, watching_peers
 from recipes.lr_schedule import LRSchedule
-from recipes.metrics import MetricsLogger, memory, new_run_name, throughput
+from recipes.metrics import MetricsLogger, gpu_name, memory, new_run_name, throughput
 from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.parallelize import build_backend, build_kernels
 from recipes.preflight import CheckedRun, check_run, data_error, load_checked_tokenizer
@@ -350,7 +350,7 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
                 "target_tokens": out.target_tokens, "update_skipped": out.result.skipped,
                 **throughput(global_tokens=step_tokens, step_time=out.step_time,
                              flops_per_token=flops_per_token, world=world,
-                             on_cuda=device.type == "cuda"),
+                             gpu=gpu_name(device)),
                 **memory(device), "step_time_s": out.step_time, **saved, **out.result.extra})
             nonfinite.observe(out.step, skipped=out.result.skipped, loss=out.loss,
                               grad_norm=out.result.grad_norm)

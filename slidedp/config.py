@@ -51,7 +51,8 @@ class SlideDPConfig:
     """CPU Adam threads per rank; 0 = this rank's share of the host's cores."""
     update_order: UpdateOrderName = "arrival"
     """Which runnable update runs first: "arrival" (as the gradients came home; the faster on the
-    H200, docs/PERFORMANCE.md) or "next_use" (the unit the next step needs first)."""
+    H200, docs/results/2026-12-01-h200/README.md) or "next_use" (the unit the next step needs
+    first)."""
     embedding_update: EmbeddingUpdate = "host"
     """Where the embedding's AdamW runs: "host" (the CPU Adam, like every unit) or "gpu" (its
     FP32 master and moments come to the GPU during the last blocks' backward, are updated there

@@ -16,8 +16,8 @@ deliveries until its own unit's update is done, so the order changes timing, nev
   through the version gates instead of waiting for the whole queue.
 - `arrival` (the default): in the order the gradients came home, each update as early as
   possible: when backward ends the embedding's update, needed first, is the last in line. On the
-  H200 (Qwen3-4B, docs/PERFORMANCE.md) `next_use` did not shorten the small-batch step (1 and 2
-  sequences: within 3%) and was 13% slower at 8 sequences, so `arrival` stays the default.
+  H200 (Qwen3-4B) `next_use` did not shorten the small-batch step and slowed the step at 8
+  sequences (docs/results/2026-12-01-h200/README.md), so `arrival` stays the default.
 """
 
 import threading

@@ -9,7 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recipes.metrics import (MetricsLogger, Progress, format_duration, format_line,
-                             keep_rows_through, throughput)
+                             keep_rows_through, peak_bf16_tflops, throughput)
 
 CPU_STEP = {"loss": 2.5, "lr": 1e-4, "grad_norm": 0.75, "peak_mem_alloc_gib": None,
             "peak_mem_reserved_gib": None, "peak_rss_gib": 0.5, "step_time_s": 2.0}
@@ -45,7 +45,7 @@ def test_eta_is_the_mean_step_time_since_the_first_step_times_the_steps_left():
 
 def test_progress_line():
     m = {**CPU_STEP, **throughput(global_tokens=1024, step_time=2.0, flops_per_token=1e6,
-                                  world=1, on_cuda=False)}
+                                  world=1, gpu=None)}
     line = format_line(7, m, total_steps=150, eta_s=286)
     fields = line.split(" | ")
     assert fields[0] == "step   7/150   4.7%"
@@ -54,17 +54,35 @@ def test_progress_line():
 
 
 def test_cpu_has_no_gpu_figures_cuda_has_them():
-    cpu = throughput(global_tokens=1000, step_time=0.5, flops_per_token=6e9, world=2,
-                     on_cuda=False)
+    cpu = throughput(global_tokens=1000, step_time=0.5, flops_per_token=6e9, world=2, gpu=None)
     assert cpu == {"tokens_per_s": 2000.0}
     line = format_line(1, {**CPU_STEP, **cpu}, total_steps=10, eta_s=9)
     assert "TFLOP" not in line and "mfu" not in line
     cuda = throughput(global_tokens=1000, step_time=0.5, flops_per_token=6e9, world=2,
-                      on_cuda=True)
+                      gpu="NVIDIA H200")
     assert cuda["tflops_per_gpu"] == pytest.approx(6e9 * 2000 / 2 / 1e12)
-    assert cuda["mfu"] == pytest.approx(cuda["tflops_per_gpu"] / 779.0)
+    assert cuda["peak_bf16_tflops"] == 989.0
+    assert cuda["mfu"] == pytest.approx(cuda["tflops_per_gpu"] / 989.0)
     line = format_line(1, {**CPU_STEP, **cuda}, total_steps=10, eta_s=9)
-    assert "6 TFLOP/s/gpu" in line.split(" | ") and "mfu 0.8%" in line
+    assert "6 TFLOP/s/gpu" in line.split(" | ") and "mfu 0.6%" in line
+
+
+def test_mfu_is_against_the_datasheet_peak_and_unknown_without_one():
+    """Each device's dense BF16 datasheet figure by the name torch gives it; a GPU not in the
+    table gets no MFU, and the progress line says why."""
+    assert {name: peak_bf16_tflops(name) for name in (
+        "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA H200 NVL",
+        "NVIDIA A800-SXM4-80GB", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090",
+        "NVIDIA L40S")} == {
+        "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H200": 989.0,
+        "NVIDIA H200 NVL": 835.0, "NVIDIA A800-SXM4-80GB": 312.0,
+        "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA GeForce RTX 4090": 165.0, "NVIDIA L40S": None}
+    unknown = throughput(global_tokens=1000, step_time=0.5, flops_per_token=6e9, world=2,
+                         gpu="NVIDIA L40S")
+    assert unknown["tflops_per_gpu"] == pytest.approx(6.0)
+    assert unknown["peak_bf16_tflops"] is None and unknown["mfu"] is None
+    line = format_line(1, {**CPU_STEP, **unknown}, total_steps=10, eta_s=9)
+    assert "mfu unknown (no datasheet BF16 peak for this GPU)" in line.split(" | ")
 
 
 def _rows(path):

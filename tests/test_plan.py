@@ -71,10 +71,12 @@ def test_shipped_rates_files_say_where_their_figures_come_from():
 
 
 def test_model_against_recorded_runs():
-    """A guard on the check reported in docs/PERFORMANCE.md: the recorded SlideDP and reference
+    """A guard on the check reported in docs/RESULTS.md §1: the recorded SlideDP and reference
     rows of one lease per machine within 10% (rates from those machines' logs)."""
-    for rows, rates in (("h200_call3", "h200"), ("h200x2_call9", "h200x2"),
-                        ("h200x2_call10", "h200x2"), ("h200x2_call11", "h200x2")):
+    for rows, rates in (("2026-12-01-h200/h200_call3", "h200"),
+                        ("2026-11-30-h200x2/h200x2_call9", "h200x2"),
+                        ("2026-11-30-h200x2/h200x2_call10", "h200x2"),
+                        ("2026-11-30-h200x2/h200x2_call11", "h200x2")):
         lines, errors, superseded = check([f"{REPO}/docs/results/{rows}_runs.jsonl"], load_rates(rates))
         assert errors and not superseded and max(abs(e) for e in errors) < 0.10, "\n".join(lines)
 

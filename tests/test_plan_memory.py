@@ -19,7 +19,7 @@ from slidedp.plan.memory import activation_bytes, estimate_device_memory, rebuil
 from tests.conftest import REPO
 
 GiB, MiB = 2**30, 2**20
-RESULTS = Path(REPO, "docs", "results")
+RESULTS = Path(REPO, "docs", "results", "2026-12-01-h200")
 
 POLICIES = ["recompute", "keep", "segments()", "segments(input_norm+qkv+qk_norm_rope+attention_core"
             "+o_proj+post_norm+mlp_up+down_proj)", "segments(attention_core)",
@@ -64,7 +64,7 @@ def test_what_backward_rebuilds():
 
 
 # The H200's start-up reports, "[slidedp] activations per block for 8 x 4096 tokens"
-# (docs/results/h200_call5_log.txt, h200_call6_log.txt; liger): (flavor, policy, MiB GPU, host).
+# (docs/results/2026-12-01-h200/h200_call{5,6}_log.txt; liger): (flavor, policy, MiB GPU, host).
 H200_REPORTS = [
     ("qwen3-4B", "keep", 3435.3, 0.0), ("qwen3-4B", "recompute", 160.0, 0.0),
     ("qwen3-4B", "selective", 420.0, 0.0), ("qwen3-4B", "keep@offload=0.1", 3091.7, 343.5),

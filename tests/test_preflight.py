@@ -23,7 +23,7 @@ from tests.conftest import REPO
 TINY = os.path.join(REPO, "tests", "assets", "tiny")
 CPU = torch.device("cpu")
 GiB = 2**30
-H200 = int(140.4 * GiB)  # an H200's memory as torch reports it (docs/PERFORMANCE.md)
+H200 = int(140.4 * GiB)  # an H200's memory as torch reports it (docs/results/2026-11-30-h200x2/)
 DEBUG = get_flavor("qwen3-debug")
 
 
@@ -158,7 +158,7 @@ def gpu_config(mode: str, *, batch: int, seq_len: int = 4096, **slidedp) -> JobC
     return config
 
 
-# Peak allocated GiB per GPU measured on 2 x H200 (docs/PERFORMANCE.md), seq 4096.
+# Peak allocated GiB per GPU measured on 2 x H200 (docs/results/2026-11-30-h200x2/), seq 4096.
 MEASURED = [
     ("fsdp2", "qwen3-8B", 16, {}, 85.9),
     ("fsdp2", "qwen3-8B", 32, {}, 120.6),
@@ -179,8 +179,8 @@ def test_estimate_is_near_the_measured_peak(mode, flavor, batch, slidedp, measur
     check_device_memory(config, FLAVORS[flavor], world=2, capacity=H200)
 
 
-# Peak allocated GiB on one H200 (docs/PERFORMANCE.md, 2026-12-01, call 3), Qwen3-4B, seq 4096,
-# on both kernel paths: (mode, kernels, activations, batch, measured).
+# Peak allocated GiB on one H200 (docs/results/2026-12-01-h200/h200_call3_runs.jsonl), Qwen3-4B,
+# seq 4096, on both kernel paths: (mode, kernels, activations, batch, measured).
 MEASURED_ONE_H200 = [
     ("fsdp2", "torch", "none", 2, 100.8), ("fsdp2", "torch", "none", 3, 124.3),
     ("fsdp2", "torch", "full", 16, 73.8),
@@ -239,7 +239,7 @@ def test_device_memory_refused_with_the_numbers():
                             capacity=capacity)
 
 
-# The one-H200 machine's /proc/meminfo (docs/results/h200_call1_log.txt), bytes.
+# The one-H200 machine's /proc/meminfo (docs/results/2026-12-01-h200/h200_call1_log.txt), bytes.
 H200_HOST_TOTAL, H200_HOST_AVAILABLE = 131961788 * 1024, 131437468 * 1024
 
 

@@ -6,9 +6,9 @@ Each row: the backend asked for, the aten kernel that ran (a backend that cannot
 is reported as such), the median time of forward + backward over `--iters` runs after a warm-up
 (CUDA events), its TFLOP/s, and the output's relative error against FP32 math attention on the
 same inputs (skipped where that reference's score matrix would not fit: beyond some 32K tokens).
-This is what `[model] attention = "auto"`'s order is based on (docs/PERFORMANCE.md); the rows
-at a long length give the step-time model its attention rate there (model_check predict
---attention-rows).
+This is what `[model] attention = "auto"`'s order is based on (the attention row of
+docs/PERFORMANCE.md's table); the rows at a long length give the step-time model its attention
+rate there (model_check predict --attention-rows).
 """
 
 import argparse

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU-machine runs behind docs/PERFORMANCE.md, stage by stage:
+# The GPU-machine runs behind docs/PERFORMANCE.md and the dated folders under docs/results/,
+# stage by stage:
 #   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
 # Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2max slidedpcpu
 #         ncclctas reftrace recompute cpu16 clip clip1 slidedpmax refmax fsdp2same peak fsdp2_14 slidedp14
@@ -530,12 +531,10 @@ for stage in "$@"; do
            --embedding-update gpu --label slidedp-keep-gpuembed
          within 80 "${bench[@]}" "${H2H[@]}" --mode slidedp --activation selective --keep-blocks 14 \
            --batches 16 --embedding-update gpu --label slidedp-selective-keep14-gpuembed ;;
-    # mix16: splits what the keep/selective mix at 16 sequences (21,114 tokens/s in call 20,
-    # embedding updated on the GPU) gains over `selective` everywhere (16,116 in call 19, on the
-    # host) between the kept blocks and the embedding update. Both policies under both embedding
-    # updates in one build, each with one profiled step whose per-stream breakdown lands in its
-    # row (the traces stay on the machine). Call 32: with the same embedding update the mix gains
-    # 5.3%, the replays saved; the rest was the embedding update.
+    # mix16: splits what the keep/selective mix at 16 sequences (blocks 0-13 kept) gains over
+    # `selective` everywhere between the kept blocks and the embedding update. Both policies under
+    # both embedding updates in one build, each with one profiled step whose per-stream breakdown
+    # lands in its row (the traces stay on the machine).
     # shellcheck disable=SC2086  # BENCH_FLAGS: a CPU check, as for issue 14's stages
     mix16) timeout 300 "${bench[@]}" --mode slidedp --kernels liger --flavor qwen3-4B --max-norm 1.0 \
              --no-memory-check --embedding-update host,gpu --points selective:16 \

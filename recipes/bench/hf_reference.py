@@ -81,7 +81,8 @@ def main() -> None:
                "attention_op": a.attention, "ac": "none", "world": 1, "seq": a.seq,
                "local_batch": batch, "accum": 1, "step_time_s": step_time,
                **throughput(global_tokens=batch * a.seq, step_time=step_time,
-                            flops_per_token=args.flops_per_token(a.seq), world=1, on_cuda=True),
+                            flops_per_token=args.flops_per_token(a.seq), world=1,
+                            gpu=torch.cuda.get_device_name()),
                **memory(torch.device("cuda")),
                **training(losses, norms, [False] * len(losses))}  # no update to skip
         emit("bench", row, a.out)

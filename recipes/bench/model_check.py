@@ -1,7 +1,8 @@
 """The step-time model (slidedp/plan/steptime.py) against measured bench rows
 (recipes/bench/throughput.py):
 
-    python -m recipes.bench.model_check check --rates h200x2 docs/results/h200x2_call*_runs.jsonl
+    python -m recipes.bench.model_check check --rates h200x2 \\
+        docs/results/2026-11-30-h200x2/h200x2_call*_runs.jsonl
     python -m recipes.bench.model_check predict --rates OUT/rates_4b.json --flavor qwen3-4B \\
         --points keep:1,4 recompute:16 --out OUT/predicted.jsonl
     python -m recipes.bench.model_check compare OUT/predicted.jsonl OUT/runs.jsonl [--within 0.10]
@@ -48,10 +49,11 @@ SUPERSEDED = {
     "h200x2_call6_runs": "code before aedc014; its clip rows also time the first clipped update's "
                          "page faults",
 }
-"""Recorded SlideDP rows of a runtime since changed (docs/PERFORMANCE.md says how), by file."""
+"""Recorded SlideDP rows of a runtime since changed (docs/results/2026-11-30-h200x2/README.md says
+how), by file."""
 ARTIFACTS = {
     ("h200x2_call8_runs", "clip", 16, 1): "the first clipped update's page faults fell in the "
-                                          "timed steps (docs/PERFORMANCE.md: the 7,525 figure)",
+                                          "timed steps (docs/results/2026-11-30-h200x2/README.md)",
 }
 """Recorded rows a bench artifact spoiled: (file, label, local batch, accum) -> why."""
 KEY = ("mode", "runtime", "flavor", "kernels", "route", "ac", "activation_blocks", "keep_blocks",

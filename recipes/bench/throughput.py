@@ -40,7 +40,7 @@ from models.kernels import Kernels, sdpa_backend_used
 from models.qwen import QwenModel
 from protocols.backend import StepResult
 from recipes.config import ConfigError, JobConfig, resolve_model
-from recipes.metrics import memory, throughput
+from recipes.metrics import gpu_name, memory, throughput
 from recipes.bench.rows import emit, exit_if_invalid, read_rows, training
 from recipes.bench.timeline import breakdown
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
@@ -387,7 +387,7 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
             "max_norm": a.max_norm, "nonfinite": a.nonfinite, "step_time_s": step_time,
             **throughput(global_tokens=batch * a.seq * world, step_time=step_time,
                          flops_per_token=args.flops_per_token(a.seq), world=world,
-                         on_cuda=device.type == "cuda"),
+                         gpu=gpu_name(device)),
             **memory(device),
             **{k: v for k, v in measured.items() if k != "step_time_s"}}
 

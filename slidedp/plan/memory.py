@@ -66,10 +66,11 @@ and kv_heads (the per-row FP32 log-sum-exp and inverse RMS); the tables 2 x head
 These bytes are what the engine's start-up measurement (slidedp/activations/cost.py) gives:
 equal, on the CPU, for all 256 segment masks and the op-level sets of both debug families on
 the torch path (checked once; tests/test_plan_memory.py keeps 12 of them); on the H200 with
-liger (docs/results/h200_call{5,6}_log.txt), within the reports' 0.1 MiB per block for Qwen3-4B
-under keep, keep@offload=0.1 and 0.3, recompute, selective and
+liger (docs/results/2026-12-01-h200/h200_call{5,6}_log.txt), within the reports' 0.1 MiB per
+block for Qwen3-4B under keep, keep@offload=0.1 and 0.3, recompute, selective and
 segments(qkv+attention_core+o_proj+mlp_up+down_proj), and for Qwen3-8B under keep, recompute
-and selective; call 1's keep bytes of both paths exactly. Approximate: the few fixed
+and selective; the keep bytes counted through autograd's saved tensors on both paths
+(docs/results/2026-12-01-h200/h200_call1_activations.jsonl) exactly. Approximate: the few fixed
 bytes of an SDPA kernel (RNG seeds) are not counted; with training.dtype = "fp32" torch's FP32
 copy of an FP32 tensor is the tensor itself, counted twice; mode single's autocast keeps the
 residual stream in FP32 (counted in the compute dtype); what a block's backward allocates
@@ -79,15 +80,14 @@ logits: one chunk of the loss, min(loss_chunk_tokens, tokens) x vocab x LOGITS_B
 
 Every constant that calibration may change is in the block below. They are counted from the
 code (LOGITS_BYTES and the embedding's gradient were revised after comparing with the peaks
-measured on 2 x H200, docs/PERFORMANCE.md): for Qwen3-8B and 14B under fsdp2 and slidedp the
-estimate is 0-16% above the measured allocation
+measured on 2 x H200, docs/results/2026-11-30-h200x2/README.md): for Qwen3-8B and 14B under
+fsdp2 and slidedp the estimate is 0-16% above the measured allocation
 (tests/test_preflight.py::test_estimate_is_near_the_measured_peak); for Qwen3-4B on one H200 on
 both kernel paths, -2% to +23% (the most for full recompute;
-test_estimate_is_near_the_measured_peak_on_both_kernel_paths); for the segment mask
-qkv+attention_core+o_proj+mlp_up+down_proj with liger, 127.9 GiB for the 124.9 measured with
-Qwen3-4B at 8 sequences (+2.3%; 16.3 GiB when masks counted as recompute), +6.7% and +5.8% with
-Qwen3-8B at 5 and 6 (blocks 0-8 kept, clipping on; docs/results/h200_call{5,6}_runs.jsonl,
-tests/test_plan_memory.py). Not measured: mode single.
+test_estimate_is_near_the_measured_peak_on_both_kernel_paths); for the segment masks with liger
+(Qwen3-4B at 8 sequences, Qwen3-8B at 5 and 6), 0-10% above
+(docs/results/2026-12-01-h200/h200_call{5,6}_runs.jsonl,
+tests/test_plan_memory.py::test_segment_mask_peaks_on_the_h200). Not measured: mode single.
 """
 
 import math

@@ -1,9 +1,10 @@
 """A machine's rates: what the step-time model (slidedp/plan/steptime.py) turns into seconds.
 
-One `Rates` is one JSON file. The probe (slidedp/plan/probe.py) measures it and caches it in `cache_dir()`, one file per machine (hostname, device name and
-count, cores) and model (architecture, kernels); `slidedp/plan/rates/*.json` ship the machines
-we know (measured figures from docs/PERFORMANCE.md) and the paper's platforms (from published
-specs, labelled so), so a plan can be made for hardware one does not have.
+One `Rates` is one JSON file. The probe (slidedp/plan/probe.py) measures it and caches it in
+`cache_dir()`, one file per machine (hostname, device name and count, cores) and model
+(architecture, kernels); `slidedp/plan/rates/*.json` ship the machines we know (figures measured
+in the dated folders under docs/results/) and the paper's platforms (from published specs,
+labelled so), so a plan can be made for hardware one does not have.
 
 GPU compute comes from measured block timings (`blocks`, per sequence at one sequence length)
 where the probe took them, else from the FLOP count of the policy (slidedp/plan/workload.py) at
@@ -37,7 +38,7 @@ class Machine:
     """In words, e.g. "2 x NVIDIA H200 (NV18), 32 cores"."""
     source: Literal["measured", "recorded", "spec"]
     """"measured": by the probe on this machine; "recorded": taken from logged runs
-    (docs/PERFORMANCE.md); "spec": derived from published specifications (not measured)."""
+    (docs/results/); "spec": derived from published specifications (not measured)."""
     hostname: str
     """The host (empty for recorded and spec files)."""
     device: str

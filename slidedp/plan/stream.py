@@ -5,9 +5,9 @@ a = b + s * c over FP64 arrays each at least 4x the last-level caches (STREAM's 
 STREAM's own loop in our C++ library on the CPU Adam's thread pool (slidedp.cpu_adam.stream_triad;
 torch.add where that library cannot be built). Counted as STREAM counts it: 3 arrays x 8 bytes per
 element (two reads, one write; the write-allocate read is not counted); the best of `repeats`
-runs. A torch op is not this figure: on the 16-core H200 host torch's copy_ reached 61-68 GB/s and
-a triad through torch.add 74.5 GB/s, while our CPU Adam moved 129-144 GB/s (docs/PERFORMANCE.md,
-2026-12-02)."""
+runs. A torch op is not this figure: on the 16-core H200 host a copy or a triad through torch ran
+below what our CPU Adam moved (the Adam's rows of docs/PERFORMANCE.md's table; the torch figures
+in docs/results/2026-12-02-h200/README.md)."""
 
 import glob
 import time
