@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from recipes.bench import throughput
+from recipes.bench import headline, throughput
 from recipes.bench.rows import training
 from recipes.bench.throughput import point_specs, report
 from recipes.bench.timeline import breakdown
@@ -195,3 +195,26 @@ def test_report_refuses_rows_that_did_not_train_or_do_not_say(tmp_path, row, why
     assert ("line 2 (mode=slidedp, label=, flavor=qwen3-8B, route=sharded/gpu, ac=recompute, "
             f"world=1, seq=4096, local_batch=8, accum=1): {why}") in message
     assert "line 1" not in message
+
+
+def test_headline_is_the_median_of_launches_and_refuses_rows_that_did_not_train(tmp_path):
+    """Three launches of one FSDP2 point and one of another: the headline table gives each point
+    its launch count, median and min-max; best_point names the fastest point's flags; a row of a
+    step that did not train refuses the file."""
+    out = tmp_path / "runs.jsonl"
+    for launch, batches in ((1, "1,2"), (2, "2"), (3, "2")):
+        _bench(["--mode", "fsdp2", "--ac", "none", "--batches", batches, "--steps", "1",
+                "--label", "sweep", "--launch", str(launch)], out)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["launch"] for r in rows] == [1, 1, 2, 3]
+    at2 = sorted(r["tokens_per_s"] for r in rows if r["local_batch"] == 2)
+    lines = {line.split(" | ")[5]: line for line in headline.table(rows).splitlines()[2:]}
+    assert f"| 3 | {at2[1]:,.0f} | {at2[0]:,.0f}-{at2[2]:,.0f} |" in lines["2"]
+    assert "| 1 |" in lines["1"]
+    fastest = max(rows, key=lambda r: r["tokens_per_s"])
+    assert headline.best_point(str(out), mode="fsdp2", label="sweep") == \
+        f"--ac none --batches {fastest['local_batch']}"
+    rows[-1]["loss"] = [float("nan")]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match="1 of 4 rows refused"):
+        headline.best_point(str(out), mode="fsdp2", label="sweep")

@@ -2,6 +2,7 @@
 # The GPU-machine runs behind docs/PERFORMANCE.md and the dated folders under docs/results/,
 # stage by stage:
 #   bash recipes/bench/h200.sh OUT_DIR STAGE [STAGE ...]
+# Every call first runs the correctness stage (below, before the stage loop).
 # Stages: env adam gputest smoke reference fsdp2 slidedp slidedpkeep slidedpsac fsdp2max slidedpcpu
 #         ncclctas reftrace recompute cpu16 clip clip1 slidedpmax refmax fsdp2same peak fsdp2_14 slidedp14
 #         fused-kernel stages (one H200, both [model] kernels side by side):
@@ -16,6 +17,7 @@
 #         the paper's experiments on one H200 after h2h: paper1 paper2 paper3 peers peers2; mix16 (a profile);
 #         the offloading baselines: offload offload2 (after dsinstall)
 #         paper experiments: reproduce-NAME for each recipes/reproduce/NAME.py (into OUT_DIR/NAME/)
+#         the re-measurement after issue 25's fix (one H200): remeasure4b fsdp2peak4b remeasure8b
 #         the step-time model: plan (probe, predictions, the same points measured, AutoPolicy)
 #         issue 14, 2-8 GPUs of one host (one device call per machine kind, below): multi8b multi14b
 #         strong14b weak32b routes14b routes14b8 million castcopy, then compare (the predictions beside
@@ -325,6 +327,66 @@ castcopy() {
   done
   python3 -m recipes.bench.paper_points --cast-and-copy "$out"/castcopy_x*.json
 }
+# The correctness stage runs first in every call (docs/PERFORMANCE.md's rules): each SlideDP
+# option the docs measure trains as `single` does on this GPU (tests/test_gpu_options.py), and the
+# embedding's update on the GPU at the shipped 4B config's micro-batches (tests/test_gpu_update.py;
+# its untied 7B case takes 70 s more: `gputest` runs the whole file). A call whose check fails
+# measures nothing.
+CHECKS=(tests/test_gpu_options.py
+        tests/test_gpu_update.py::test_prefetch_waits_for_kernels_queued_on_the_memory_it_reuses
+        "tests/test_gpu_update.py::test_embedding_update_trains_as_single_at_real_size[gpu-1.0-qwen3-4B-8x8x4096]")
+echo "=== correctness $(date +%T)"
+timeout "${CORRECTNESS_SECONDS:-300}" python3 -m pytest -q -rA -s --durations=0 "${CHECKS[@]}" \
+  > "$out/correctness.log" 2>&1
+rc=$?
+grep -E "PASSED|FAILED|ERROR|passed|failed|weight diff" "$out/correctness.log"
+if (( rc != 0 )); then echo "correctness failed (rc $rc, $out/correctness.log): nothing measured"; exit 1; fi
+# launches N SECONDS BENCH-ARGS...: N launches of one point, each a build of its own, for a
+# headline's median and spread (`python3 -m recipes.bench.headline`).
+launches() {
+  local n=$1 limit=$2 i; shift 2
+  for (( i = 1; i <= n; i++ )); do within "$limit" "${bench[@]}" "$@" --launch "$i"; done
+}
+# remeasure: the figures that came from the embedding's update on the GPU, after the fix, each a
+# median of 3 launches in this machine start beside what it is set against, at clipping 1.0.
+# remeasure4b: Qwen3-4B, the no-recompute reference at its measured best (4 sequences), the
+# shipped config's point (16 sequences, blocks 0-13 keep, the rest selective) with the embedding
+# updated on the GPU, then once on the host (a launch: a ~45 s build, then ~70 s of steps).
+# fsdp2peak4b: FSDP2's peak at the same clipping (`none` and `selective` over their batches, one
+# launch each, `full` being the slower wherever the others fit; then its best point twice more).
+# remeasure8b: Qwen3-8B, the fused reference (HF + liger at 3 sequences), SlideDP's point of
+# issue 10 (16 sequences, blocks 0-9 keep, 28-35 selective, 2 slots) with the host update, then
+# the GPU's.
+SD4=(--mode slidedp --kernels liger --flavor qwen3-4B --max-norm 1.0 --no-memory-check --warmup 1
+     --steps 3 --nonfinite skip --points "selective|0-13:keep:16")
+SD8=(--mode slidedp --kernels liger --flavor qwen3-8B --max-norm 1.0 --no-memory-check --warmup 1
+     --steps 3 --nonfinite skip --slots 2 --points "recompute|0-9:keep, 28-35:selective:16")
+remeasure4b() {
+  stage_end=$(( SECONDS + ${REMEASURE_SECONDS:-420} ))
+  launches 3 60 --mode reference --ac none --batches 4 --kernels liger --flavor qwen3-4B \
+    --max-norm 1.0 --steps 3 --label reference
+  launches 3 130 "${SD4[@]}" --embedding-update gpu --label shipped-gpuembed
+  launches 1 130 "${SD4[@]}" --embedding-update host --label shipped-hostembed
+}
+fsdp2peak4b() {
+  stage_end=$(( SECONDS + ${FSDP_SECONDS:-300} ))
+  local fs=(--mode fsdp2 --kernels liger --flavor qwen3-4B --max-norm 1.0 --steps 3) best
+  within 60 "${bench[@]}" "${fs[@]}" --ac none --batches 2,4,5 --label fsdp2-sweep --launch 1
+  within 60 "${bench[@]}" "${fs[@]}" --ac selective --batches 4,8 --label fsdp2-sweep --launch 1
+  best=$(python3 -c 'import sys; from recipes.bench.headline import best_point
+print(best_point(sys.argv[1], mode="fsdp2", label="fsdp2-sweep"))' "$out/runs.jsonl") || return 1
+  echo "FSDP2's best point: $best"
+  # shellcheck disable=SC2086  # best: "--ac AC --batches B"
+  for i in 2 3; do within 45 "${bench[@]}" "${fs[@]}" $best --label fsdp2-sweep --launch $i; done
+}
+remeasure8b() {
+  stage_end=$(( SECONDS + ${REMEASURE_SECONDS:-500} ))
+  local i
+  for i in 1 2 3; do within 80 python3 -m recipes.bench.hf_reference --liger --flavor qwen3-8B \
+    --batches 3 --steps 3 --launch $i --out "$out/runs.jsonl"; done
+  launches 3 130 "${SD8[@]}" --embedding-update host --label issue10-hostembed
+  launches 1 130 "${SD8[@]}" --embedding-update gpu --label issue10-gpuembed
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -332,7 +394,7 @@ for stage in "$@"; do
          python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count())'
          grep -E 'MemTotal|MemAvailable|Shmem:' /proc/meminfo; nvidia-smi topo -m | head -4 ;;
     adam) python3 -m recipes.bench.cpu_adam --params 200e6 --threads 1,2,4,8,16,32 --json "$out/cpu_adam.json" ;;
-    gputest) python3 -m pytest -q -x tests/test_slidedp.py -k gpu ;;
+    gputest) python3 -m pytest -q -x tests/test_slidedp.py tests/test_gpu_update.py -k gpu ;;
     smoke) run --mode slidedp --batches 4 --routes sharded/gpu --max-norm 0 --no-memory-check --steps 1 \
              --flavor qwen3-8B ;;
     reference) run --mode reference --ac full --batches 16,32 --flavor qwen3-8B ;;
@@ -543,6 +605,7 @@ for stage in "$@"; do
     paper1|paper2|paper3|peers|peers2|offload|offload2) "$stage" ;;
     multi8b|multi14b|strong14b|weak32b|million|castcopy) "$stage" ;;
     routes14b) routes 4 8,16 200 ;;
+    remeasure4b|fsdp2peak4b|remeasure8b) "$stage" ;;
     routes14b8) routes 8 64 330 --steps 1 ;;
     # The predictions (PLAN_PREDICTED) beside this call's rows, and every row against the
     # reference and FSDP2's peak.

@@ -51,6 +51,8 @@ def main() -> None:
     p.add_argument("--attention", default="sdpa", help="transformers' attn_implementation")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--launch", type=int, default=1,
+                   help="which launch of the same point this is (recipes/bench/headline.py)")
     p.add_argument("--out", default="")
     a = p.parse_args()
     model = _model(a.flavor, liger=a.liger, attention=a.attention)
@@ -79,7 +81,7 @@ def main() -> None:
         row = {"mode": "hf", "label": "liger" if a.liger else "plain", "flavor": a.flavor,
                "route": "", "kernels": "liger" if a.liger else "torch",
                "attention_op": a.attention, "ac": "none", "world": 1, "seq": a.seq,
-               "local_batch": batch, "accum": 1, "step_time_s": step_time,
+               "local_batch": batch, "accum": 1, "launch": a.launch, "step_time_s": step_time,
                **throughput(global_tokens=batch * a.seq, step_time=step_time,
                             flops_per_token=args.flops_per_token(a.seq), world=1,
                             gpu=torch.cuda.get_device_name()),

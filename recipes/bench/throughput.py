@@ -183,6 +183,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--label", default="")
+    p.add_argument("--launch", type=int, default=1,
+                   help="which launch of the same point this is (recipes/bench/headline.py)")
     p.add_argument("--trace-dir", default="",
                    help="profile one more step after the timed ones on rank 0: Chrome trace + the "
                         "per-stream breakdown of recipes/bench/timeline.py in the row")
@@ -384,7 +386,8 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
             **({"zero_stage": a.zero_stage} if a.mode == "deepspeed" else {}),
             "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
             "world": world, "seq": a.seq, "local_batch": batch, "accum": accum,
-            "max_norm": a.max_norm, "nonfinite": a.nonfinite, "step_time_s": step_time,
+            "max_norm": a.max_norm, "nonfinite": a.nonfinite, "launch": a.launch,
+            "step_time_s": step_time,
             **throughput(global_tokens=batch * a.seq * world, step_time=step_time,
                          flops_per_token=args.flops_per_token(a.seq), world=world,
                          gpu=gpu_name(device)),
