@@ -32,9 +32,8 @@ AttentionChoice = Literal["auto", "cudnn", "flash", "efficient", "math"]
 
 # Tried in this order until one supports the call's shapes and dtype.
 _ATTENTION_BACKENDS: dict[str, list[SDPBackend]] = {
-    # Measured on the H200 at Qwen3's shapes (seq 4096, GQA 32/8 heads, head_dim 128; bench
-    # recipes/bench/attention.py): cuDNN's forward + backward is 1.9x faster than flash, which
-    # torch's own default order tries first.
+    # cuDNN first: at Qwen3's shapes (GQA, head_dim 128) its forward + backward is faster than
+    # flash, which torch's own default order tries first (recipes/bench/attention.py times both).
     "auto": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
@@ -132,8 +131,7 @@ def _liger_kernels(attention: AttentionChoice) -> Kernels:
         # The kernel bounds its logits chunk to chunk_mem_const x (tokens x dim) elements: pick
         # the constant that makes a chunk about chunk_tokens rows, as the plain path's are. Its
         # default (one hidden-sized block) gives chunks of 128-512 rows, each of which re-reads
-        # and re-writes the whole FP32 head gradient (on the H200, Qwen3-4B at one sequence:
-        # 16,773 -> 19,222 tokens/s with chunks of 4096 rows).
+        # and re-writes the whole FP32 head gradient.
         chunk_mem_const = max(1, math.ceil(vocab * min(chunk_tokens, tokens) / (dim * tokens)))
         # Under autocast (mode single: FP32 weights) compute in the autocast dtype, as F.linear
         # would, with autocast off inside so that no op re-casts.

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from protocols.backend import TrainBackend
+from recipes.nonfinite import NonFiniteStop
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,23 @@ def prune(save_dir: str, *, keep: int) -> list[Path]:
     return doomed + old
 
 
+class NonFiniteWeights(NonFiniteStop):
+    """A save found weights that are not finite: the step is not saved and the run stops."""
+
+
+def _finite(tensors: Iterator[tuple[str, torch.Tensor]], step: int
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors`, each checked as it goes to the export: a weight that is not finite raises
+    NonFiniteWeights before it is written."""
+    for name, tensor in tensors:
+        if not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise NonFiniteWeights(f"step {step} not saved: {name} has {bad} of "
+                                   f"{tensor.numel()} elements not finite (the updates "
+                                   "diverged: lower optimizer.lr, or clip with training.max_norm)")
+        yield name, tensor
+
+
 class CheckpointSaver:
     """The saves of one run (see the module's docstring); every rank makes one, in the same
     order relative to other process groups, and calls `save` at the same steps."""
@@ -147,7 +165,14 @@ class CheckpointSaver:
 
     def _complete(self, staging: Path, step: int, meta: dict[str, Any], start: float) -> None:
         out = step_dir(self.save_dir, step)
-        self.export_hf(self.backend.saved_master_parameters(str(staging)), out)
+        try:
+            self.export_hf(_finite(self.backend.saved_master_parameters(str(staging)), step), out)
+        except NonFiniteWeights:
+            # Nothing of this step may stay to be loaded or resumed: not its weights, not its
+            # state (a staging directory is never `latest`, but it is not kept either).
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
         (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         staging.rename(out / TRAIN_STATE)
@@ -161,6 +186,8 @@ class CheckpointSaver:
         """Raise the error of a save that failed (its step was not saved)."""
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, NonFiniteWeights):
+                raise error
             raise RuntimeError(f"saving a checkpoint to {self.save_dir} failed: {error}") from error
 
     def wait(self) -> None:

@@ -7,18 +7,20 @@ can make in a config (unknown key, wrong type, bad choice, missing file) is repo
 
 import dataclasses
 import importlib.util
+import math
 import sys
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
 from models.args import QwenArgs, RopeScaling
 from models.flavors import FLAVORS
 from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
+from protocols.bounds import UNSET_OR_AT_LEAST_1, Bound, above, at_least, within
 from recipes.baselines.activation_checkpoint import ACMode
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
 from slidedp.activations import block_policies
@@ -61,32 +63,32 @@ class Model:
     rope_scaling_type: Literal["model", "none", "linear", "dynamic", "yarn"] = "model"
     """RoPE scaling for long context: "model" (hf_dir's config.json rope_scaling; a flavor has
     none), "none", or that type (as transformers defines it)."""
-    rope_scaling_factor: float = 0.0
+    rope_scaling_factor: Annotated[float, UNSET_OR_AT_LEAST_1] = 0.0
     """Positions x this factor; 0: the model's (a type the model lacks needs one)."""
-    original_max_position_embeddings: int = 0
+    original_max_position_embeddings: Annotated[int, at_least(0)] = 0
     """yarn: the pre-training positions it scales (Qwen's cards: 32768); 0: the model's, else
     its max_position_embeddings."""
 
 
 @dataclass
 class Training:
-    steps: int = 100
+    steps: Annotated[int, at_least(1)] = 100
     """Optimizer steps to run."""
-    seq_len: int = 128
+    seq_len: Annotated[int, at_least(1)] = 128
     """Tokens per sample (documents are packed)."""
-    local_batch_size: int = 8
+    local_batch_size: Annotated[int, at_least(1)] = 8
     """Samples per micro-batch on each rank."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: Annotated[int, at_least(1)] = 1
     """Micro-batches accumulated per optimizer step."""
-    max_norm: float = 1.0
+    max_norm: Annotated[float, at_least(0)] = 1.0
     """Global gradient-norm clipping threshold; 0 = off (the norm is still reported)."""
-    seed: int = 0
+    seed: Annotated[int, at_least(0)] = 0
     """Seed for weight init and data order."""
     dataset: Literal["files", "synthetic"] = "synthetic"
     """"files": tokenize dataset_path; "synthetic": uniform random tokens (throughput runs)."""
     dataset_path: str = ""
     """Comma-separated data files or directories (.jsonl, .json, .txt, .parquet)."""
-    loss_chunk_tokens: int = 4096
+    loss_chunk_tokens: Annotated[int, at_least(1)] = 4096
     """Tokens per chunk of the output head + cross-entropy (bounds the logits' memory)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype of single and fsdp2 (slidedp and deepspeed compute in BF16); master weights
@@ -96,31 +98,31 @@ class Training:
     nonfinite: Literal["stop_consecutive", "stop_total", "skip", "off"] = "stop_consecutive"
     """A step with a NaN/Inf loss or gradient norm skips its update (see README); "skip": go on,
     "stop_*": stop after max_nonfinite_steps such steps in a row / in total; "off": no check."""
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: Annotated[int, at_least(1)] = 3
     """Skipped steps (in a row, or in total since the start) that stop the run."""
 
 
 @dataclass
 class Optimizer:
-    lr: float = 1e-5
+    lr: Annotated[float, above(0)] = 1e-5
     """Peak learning rate of AdamW."""
-    beta1: float = 0.9
+    beta1: Annotated[float, within(0, 1, high_open=True)] = 0.9
     """AdamW first-moment decay."""
-    beta2: float = 0.95
+    beta2: Annotated[float, within(0, 1, high_open=True)] = 0.95
     """AdamW second-moment decay."""
-    eps: float = 1e-8
+    eps: Annotated[float, above(0)] = 1e-8
     """AdamW denominator epsilon."""
-    weight_decay: float = 0.1
+    weight_decay: Annotated[float, at_least(0)] = 0.1
     """Decoupled weight decay, applied to every parameter."""
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, at_least(0)] = 0
     """Steps of linear warmup from lr/warmup_steps up to lr."""
     decay_type: Literal["linear", "cosine", "none"] = "cosine"
     """Decay after warmup, reaching min_lr_factor * lr at the last step ("none": constant)."""
-    min_lr_factor: float = 0.1
+    min_lr_factor: Annotated[float, within(0, 1)] = 0.1
     """Final learning rate as a fraction of lr."""
 
 
@@ -146,17 +148,17 @@ class ActivationCheckpoint:
 class DeepSpeed:
     """DeepSpeed ZeRO-Offload (parallelism.mode = "deepspeed"; pip install '.[deepspeed]'):
     BF16 compute with FP32 master weights and Adam state in host memory, updated by
-    DeepSpeedCPUAdam after backward (recipes/baselines/deepspeed.py)."""
+    DeepSpeedCPUAdam after backward (recipes/baselines/zero_offload.py)."""
 
     zero_stage: Literal[2, 3] = 2
     """ZeRO stage: 2 shards gradients and optimizer state (BF16 weights replicated on the GPUs);
     3 also shards the BF16 weights, gathered block by block."""
-    cpu_threads: int = 0
+    cpu_threads: Annotated[int, at_least(0)] = 0
     """Threads of DeepSpeedCPUAdam per rank (0: this rank's share of the CPUs it may run on;
     torchrun would otherwise leave it OMP_NUM_THREADS=1)."""
     pin_memory: bool = True
     """Page-locked host buffers for the offloaded optimizer state (faster copies)."""
-    reduce_bucket_size: int = 500_000_000
+    reduce_bucket_size: Annotated[int, at_least(1)] = 500_000_000
     """Elements per gradient reduce (and ZeRO-2 all-gather) bucket: DeepSpeed's
     reduce_bucket_size, its default."""
     overlap_comm: bool = True
@@ -167,11 +169,11 @@ class DeepSpeed:
 class Checkpoint:
     save_dir: str = ""
     """Hugging Face-format saves go to <save_dir>/step-<N>; empty: no saving."""
-    interval: int = 0
+    interval: Annotated[int, at_least(0)] = 0
     """Save every this many steps as well; 0: only at the end."""
     resume_from: str = ""
     """Continue exactly from a step-N directory with train_state/, or "latest" under save_dir."""
-    keep_latest_k: int = 3
+    keep_latest_k: Annotated[int, at_least(0)] = 3
     """Keep the newest K complete saves and delete older ones (0: keep all)."""
     async_mode: Literal["async", "disabled"] = "async"
     """"async": write each save in the background from a snapshot; "disabled": the step waits."""
@@ -179,7 +181,7 @@ class Checkpoint:
 
 @dataclass
 class Metrics:
-    log_freq: int = 10
+    log_freq: Annotated[int, at_least(1)] = 10
     """Print the progress line every this many steps (and at the first and the last)."""
     enable_tensorboard: bool = True
     """Write TensorBoard events to <dump_folder>/tb/<run> (a folder per run; rank 0)."""
@@ -200,34 +202,6 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     slidedp: SlideDPConfig = field(default_factory=SlideDPConfig)
-
-
-# Numeric bounds: key -> (predicate, what it must be).
-_BOUNDS: dict[str, tuple[Any, str]] = {
-    **{f"training.{k}": (lambda v: v >= 1, ">= 1") for k in
-       ("steps", "seq_len", "local_batch_size", "grad_accum_steps", "loss_chunk_tokens")},
-    "training.max_norm": (lambda v: v >= 0, ">= 0"),
-    "model.rope_scaling_factor": (lambda v: v == 0 or v >= 1, "0 (the model's) or >= 1"),
-    "model.original_max_position_embeddings": (lambda v: v >= 0, ">= 0"),
-    "training.seed": (lambda v: v >= 0, ">= 0"),
-    "training.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
-    "optimizer.lr": (lambda v: v > 0, "> 0"),
-    "optimizer.beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "optimizer.beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "optimizer.eps": (lambda v: v > 0, "> 0"),
-    "optimizer.weight_decay": (lambda v: v >= 0, ">= 0"),
-    "lr_scheduler.warmup_steps": (lambda v: v >= 0, ">= 0"),
-    "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "checkpoint.interval": (lambda v: v >= 0, ">= 0"),
-    "checkpoint.keep_latest_k": (lambda v: v >= 0, ">= 0"),
-    "slidedp.window_slots": (lambda v: v >= 2, ">= 2"),
-    "slidedp.chunk_mib": (lambda v: 0 < v <= 1024, "in (0, 1024]"),
-    "slidedp.keep_blocks": (lambda v: v >= 0, ">= 0"),
-    "slidedp.cpu_threads": (lambda v: v >= 0, ">= 0"),
-    "deepspeed.cpu_threads": (lambda v: v >= 0, ">= 0"),
-    "deepspeed.reduce_bucket_size": (lambda v: v >= 1, ">= 1"),
-    "metrics.log_freq": (lambda v: v >= 1, ">= 1"),
-}
 
 
 def _type_name(tp: Any) -> str:
@@ -255,12 +229,23 @@ def _matches(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
+def _base(tp: Any) -> Any:
+    """The type under an Annotated one (its bounds stripped)."""
+    return get_args(tp)[0] if get_origin(tp) is Annotated else tp
+
+
 def _check_value(key: str, value: Any, tp: Any) -> Any:
-    """The value if it fits the annotation (ints widened to float), else a ConfigError."""
+    """The value if it fits the annotation (ints widened to float) and its bounds (Annotated
+    Bound markers), else a ConfigError."""
+    bounds = [m for m in getattr(tp, "__metadata__", ()) if isinstance(m, Bound)]
+    tp = _base(tp)
     if not _matches(value, tp):
         raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
-    if key in _BOUNDS and not _BOUNDS[key][0](value):
-        raise ConfigError(f"{key} must be {_BOUNDS[key][1]}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # inf passes every bound
+        raise ConfigError(f"{key} must be finite, got {value!r}")
+    for bound in bounds:
+        if not bound.holds(value):
+            raise ConfigError(f"{key} must be {bound.says}, got {value!r}")
     return float(value) if tp is float else value
 
 
@@ -274,7 +259,7 @@ def _unknown_section(name: str) -> ConfigError:
 
 
 def _section_from_dict(cls: type, data: dict[str, Any], *, section: str) -> Any:
-    hints = get_type_hints(cls)
+    hints = get_type_hints(cls, include_extras=True)
     for key in data:
         if key not in hints:
             raise _unknown_key(section, key, hints)
@@ -286,7 +271,7 @@ def check_config(config: JobConfig) -> None:
     """Every field against its annotation, choices and bounds (covers command-line values)."""
     for section in dataclasses.fields(config):
         obj = getattr(config, section.name)
-        for name, tp in get_type_hints(type(obj)).items():
+        for name, tp in get_type_hints(type(obj), include_extras=True).items():
             _check_value(f"{section.name}.{name}", getattr(obj, name), tp)
 
 
@@ -360,7 +345,7 @@ def resolve_model(config: JobConfig) -> tuple[str, QwenArgs]:
 
 
 def _job_config_from_dict(cls: type, data: dict[str, Any]) -> Any:
-    sections = get_type_hints(cls)
+    sections = get_type_hints(cls, include_extras=True)
     for name, table in data.items():
         if name not in sections:
             raise _unknown_section(name)
@@ -498,13 +483,13 @@ def _check_cli_args(args: list[str]) -> list[str]:
         section, _, key = name.replace("-", "_").partition(".")
         if section not in sections:
             raise _unknown_section(section)
-        hints = get_type_hints(sections[section])
-        negated = key.startswith("no_") and hints.get(key[3:]) is bool
+        hints = get_type_hints(sections[section], include_extras=True)
+        negated = key.startswith("no_") and _base(hints.get(key[3:])) is bool
         key = key[3:] if negated else key
         if key not in hints:
             raise _unknown_key(section, key, hints)
         full, tp = f"{section}.{key}", hints[key]
-        if tp is bool:
+        if _base(tp) is bool:
             value = not negated
             if eq:
                 if negated or text.lower() not in ("true", "false"):
@@ -516,7 +501,7 @@ def _check_cli_args(args: list[str]) -> list[str]:
             text = next(rest, None)
             if text is None:
                 raise ConfigError(f"{full}: no value given (--{full}=VALUE)")
-        _check_value(full, _cli_value(text, tp), tp)
+        _check_value(full, _cli_value(text, _base(tp)), tp)
         out.append(f"--{full}={text}")
     return out
 

@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from models.kernels import resolve_kernels
 from recipes.config import ConfigError, parse_config, resolve_model
-from slidedp.plan.autopolicy import candidates_of, search_offline
 from slidedp.plan.predict import policies_of
 from slidedp.plan.probe import probe
 from slidedp.plan.rates import Rates, load_rates
-from slidedp.plan.report import Job, plan_text
+from slidedp.plan.report import Job, plan_text, search_offline
+from slidedp.plan.search import candidates_of
 
 
 class PlanError(ValueError):

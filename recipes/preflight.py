@@ -26,8 +26,9 @@ from recipes.checkpoint import FORMAT_VERSION, read_meta
 from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, resolve_resume_dir
 from models.kernels import resolve_kernels
 from slidedp.gpu_update import check_embedding_update
-from slidedp.plan.memory import (REFUSE_ABOVE, Kernel, estimate_device_memory,
-                                     largest_fitting_batch)
+from recipes.baselines.memory import baseline_footprint
+from slidedp.plan.memory import (REFUSE_ABOVE, Kernel, MemoryEstimate, estimate_device_memory,
+                                 estimate_memory)
 
 MULTI_RANK_MODE = "fsdp2"
 """What a launch of several ranks runs when the configuration says "single"."""
@@ -158,11 +159,36 @@ def check_resumable(directory: Path, *, meta: dict[str, Any]) -> None:
                               f"{saved.get(key)!r}, this run has {value!r}; resume with the same")
 
 
+def device_memory(config: JobConfig, args: QwenArgs, *, world: int,
+                  kernels: Kernel = "torch") -> MemoryEstimate:
+    """One rank's estimated device bytes under `config`'s mode: SlideDP's model
+    (slidedp/plan/memory.py), or a baseline's footprint (recipes/baselines/memory.py) with the
+    same activation and logits model."""
+    if config.parallelism.mode == "slidedp":
+        return estimate_device_memory(config, args, world=world, kernels=kernels)
+    return estimate_memory(baseline_footprint(config, args, world=world), config.training, args,
+                           kernels=kernels)
+
+
+def largest_fitting_batch(config: JobConfig, args: QwenArgs, *, world: int, capacity: int,
+                          kernels: Kernel = "torch") -> int:
+    """The largest training.local_batch_size whose estimate fits `capacity` (0 if none does)."""
+    def fits(batch: int) -> bool:
+        trial = replace(config, training=replace(config.training, local_batch_size=batch))
+        return device_memory(trial, args, world=world, kernels=kernels).total <= capacity
+
+    low, high = 0, config.training.local_batch_size  # fits(low) holds, or low == 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
 def check_device_memory(config: JobConfig, args: QwenArgs, *, world: int, capacity: int,
                         kernels: Kernel = "torch") -> None:
-    """Refuse when the estimate (slidedp/plan/memory.py) clearly exceeds one device's
+    """Refuse when the estimate (device_memory) clearly exceeds one device's
     `capacity` bytes, with the numbers and what to change."""
-    est = estimate_device_memory(config, args, world=world, kernels=kernels)
+    est = device_memory(config, args, world=world, kernels=kernels)
     if est.total <= capacity * REFUSE_ABOVE:
         return
     mode = config.parallelism.mode
@@ -221,7 +247,7 @@ def check_host_memory(config: JobConfig, args: QwenArgs, *, world: int, on_cpu: 
                               f"{shadow}use a smaller model, or set slidedp.check_host_memory = "
                               "false on machines whose memory grows on demand")
     if on_cpu:
-        per_rank = estimate_device_memory(config, args, world=world).total
+        per_rank = device_memory(config, args, world=world).total
     elif mode != "slidedp" and not training.init_on_meta:
         per_rank = n * 4  # the FP32 model every rank builds on the CPU first
     else:

@@ -33,7 +33,8 @@ from recipes.liveness import exit_with_launcher, watching_peers
 from recipes.lr_schedule import LRSchedule
 from recipes.metrics import MetricsLogger, gpu_name, memory, new_run_name, throughput
 from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
-from recipes.parallelize import build_backend, build_kernels
+from recipes.model import build_kernels
+from recipes.parallelize import build_backend
 from recipes.preflight import CheckedRun, check_run, data_error, load_checked_tokenizer
 from recipes.run_lock import FolderInUse, lock_run_folders
 
@@ -167,17 +168,22 @@ def hf_exporter(config: JobConfig, args: QwenArgs) -> HFExport:
     return export
 
 
-def load_checkpoint(backend: TrainBackend, data: BatchSource, directory: Path) -> int:
-    """Restore the backend and the data position saved in `directory`; returns its step."""
-    meta = read_meta(directory)
+def restore_data_position(data: BatchSource, directory: Path, meta: dict) -> None:
+    """The data position saved in `directory` (its `meta`), or a ConfigError where this run's
+    loader cannot continue it (the data files or seq_len changed). It runs before the backend
+    is built and the records are cut back to the save, so a refused resume touches nothing."""
+    try:
+        data.load_state_dict(meta["data"])
+    except ValueError as e:
+        raise ConfigError(f"checkpoint.resume_from: {directory}: {e}") from None
+
+
+def load_backend_state(backend: TrainBackend, directory: Path, meta: dict) -> int:
+    """Restore the backend's state saved in `directory` (its `meta`); returns its step."""
     step = backend.load_state(str(directory / TRAIN_STATE))
     if step != meta["step"]:
         raise ValueError(f"{directory}: the backend state is at step {step}, meta.json says "
                          f"{meta['step']}")
-    try:
-        data.load_state_dict(meta["data"])
-    except ValueError as e:  # the data files or seq_len changed
-        raise ConfigError(f"checkpoint.resume_from: {directory}: {e}") from None
     return step
 
 
@@ -255,10 +261,10 @@ def _lock_run_folders(config: JobConfig, *, rank: int) -> list:
 
 def _autopolicy(config: JobConfig, checked: CheckedRun, backend, *, rank: int, world: int,
                 device: torch.device) -> None:
-    """AutoPolicy (slidedp/plan/autopolicy.py) on the run's own backend, before the first step
+    """AutoPolicy (slidedp/plan/live.py) on the run's own backend, before the first step
     and before a resume loads its state: it measures with lr = 0 and resets the optimizer, and
     its choice is written for slidedp.policy_file."""
-    from slidedp.plan.autopolicy import select_live
+    from slidedp.plan.live import select_live
     from slidedp.plan.policy_file import POLICY_FILE_NAME
 
     select_live(backend, config, checked.args, flavor=checked.name, device=device, rank=rank,
@@ -313,6 +319,7 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
     resume_step, run_name = 0, new_run_name(config.parallelism.mode)
     if resume_dir is not None:
         resumed = read_meta(resume_dir)
+        restore_data_position(batches, resume_dir, resumed)
         resume_step, run_name = resumed["step"], resumed.get("run_name", run_name)
     backend = build_backend(config, args, device=device, dp_rank=rank, dp_world=world)
     if config.parallelism.mode == "slidedp" and config.slidedp.autopolicy:
@@ -333,7 +340,7 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
     try:
         start_step = 0
         if resume_dir is not None:
-            start_step = load_checkpoint(backend, batches, resume_dir)
+            start_step = load_backend_state(backend, resume_dir, resumed)
             logger.info("resumed from %s at step %d", resume_dir, start_step)
         for out in train_steps(backend, batches, schedule, steps=training.steps,
                                grad_accum_steps=training.grad_accum_steps, device=device,

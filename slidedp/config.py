@@ -1,8 +1,9 @@
 """The `[slidedp]` TOML section."""
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
+from protocols.bounds import at_least, within
 from slidedp.update_order import UpdateOrderName
 
 DeliveryRoute = Literal["replicated", "sharded"]
@@ -33,9 +34,9 @@ class SlideDPConfig:
     returns), "cpu" (every rank returns its full gradient, the host sums) or "locked" (every rank
     adds its full gradient into one shared FP32 sum under one host lock; updates then wait for
     the whole backward)."""
-    window_slots: int = 3
+    window_slots: Annotated[int, at_least(2)] = 3
     """GPU parameter slots for transformer blocks (>= 2: one computing, one being delivered)."""
-    chunk_mib: float = 32.0
+    chunk_mib: Annotated[float, within(0, 1024, low_open=True)] = 32.0
     """Chunk size in MiB (at most 1024) for the cast/H2D and D2H/update pipelines inside a block."""
     activation: str = "recompute"
     """Activation policy of every block: "keep", "recompute", "selective" (attention outputs
@@ -45,9 +46,9 @@ class SlideDPConfig:
     activation_blocks: str = ""
     """Per-block overrides, "BLOCKS:POLICY, ..." with BLOCKS one block or FIRST-LAST (0-based,
     inclusive), e.g. "0-3:keep, 30-35:recompute@offload=0.5"; a later entry wins."""
-    keep_blocks: int = 0
+    keep_blocks: Annotated[int, at_least(0)] = 0
     """Shorthand: the first N blocks keep (before activation_blocks applies)."""
-    cpu_threads: int = 0
+    cpu_threads: Annotated[int, at_least(0)] = 0
     """CPU Adam threads per rank; 0 = this rank's share of the host's cores."""
     update_order: UpdateOrderName = "arrival"
     """Which runnable update runs first: "arrival" (as the gradients came home; the faster on the

@@ -8,7 +8,7 @@ releases the GIL for the call, so the runtime can update one slice while other t
 next. Without a compiler the same math runs in torch ops (`torch._fused_adamw_` and separate casts).
 The same library holds `grad_accumulate`: the host-side gradient sum / accumulation with the sum of
 squares for clipping, also in one pass; and `stream_triad`, STREAM's triad on the same threads, the
-host bandwidth the update is measured against (slidedp/plan/stream.py).
+host bandwidth the update is measured against (slidedp/plan/triad.py).
 
 `SLIDEDP_CPU_ADAM_ISA=avx512bf16|avx512|avx2|scalar|torch` forces a code path.
 """

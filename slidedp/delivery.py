@@ -3,8 +3,8 @@ as it is) -> a GPU buffer.
 
 Without the shadow each chunk of the FP32 master goes over PCIe as it is (the mapping is
 registered, so the copy is DMA from the shared bytes) into a device staging buffer and is cast to
-BF16 there: twice the bytes of the shadow, but no CPU pass (on an H200, FP32 H2D then a GPU cast
-moved 54 GB/s of FP32; a one-thread CPU cast then BF16 H2D 30, bound by the cast).
+BF16 there: twice the bytes of the shadow, but no CPU pass, whose one-thread cast would bound the
+copy instead.
 
 Two routes over the same host layout:
   replicated  every rank copies the whole unit over its own PCIe link (R x host traffic);

@@ -31,8 +31,8 @@ waiting on it, so the error reaches the caller and the process can exit.
 Non-finite guard (training.nonfinite != "off"): whether a step's loss and gradient are finite is
 known only from the global norm, after backward, so with the guard on every update waits for it
 as clipped ones do (the gradients wait on the host, in the shadow or +2 B/param without one, and
-the updates overlap the next step's forward instead of this step's backward: about 0.03 s per
-step on 2xH200 with Qwen3-8B, docs/PERFORMANCE.md). A step whose global norm or loss is not
+the updates overlap the next step's forward instead of this step's backward; the cost is in
+docs/PERFORMANCE.md). A step whose global norm or loss is not
 finite updates nothing: it only restores the shadow that held its gradients and opens its version
 gates. With the guard off and no clipping, updates run during backward, unit by unit, as soon as
 each gradient is home, and what backward leaves over runs in the next step's order.
@@ -59,6 +59,7 @@ from models.args import QwenArgs
 from models.kernels import resolve_kernels
 from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
 from protocols.backend import Batch, StepResult
+from protocols.reconfigure import Knobs
 from slidedp import cpu_adam
 from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Offloader,
                                  WeightRefs, block_input, block_policies, describe_costs,
@@ -76,7 +77,7 @@ from slidedp.state_file import load_shards, read_master, save_shards
 from slidedp.streams import Streams
 from slidedp.traffic import Traffic
 from slidedp.update import AdamHyper, GradientReturn, HostOptimizer, Returned
-from slidedp.update_order import UPDATE_ORDERS, UpdateOrderName, UpdateQueue
+from slidedp.update_order import UPDATE_ORDERS, UpdateQueue
 
 
 PARALLEL_INIT_PARAMS = 1_000_000_000
@@ -161,9 +162,9 @@ class SlideDPBackend:
         self._accum_steps = tr.grad_accum_steps
         self._pending: list[Future] = []
         self.gpu_update: GpuUpdate | None = None
-        self.set_embedding_update(cfg.embedding_update)
+        self._set_embedding_update(cfg.embedding_update)
         self._prefetch_block = min(PREFETCH_AT_BLOCK, model_args.n_layers - 1)
-        self.set_routes(delivery=cfg.delivery, reduction=cfg.reduction)
+        self._set_routes(delivery=cfg.delivery, reduction=cfg.reduction, chunk_mib=None)
 
         bf16 = dict(dtype=torch.bfloat16, device=device)
         self.buffers = [torch.empty(self.layout.block_padded, **bf16) for _ in range(cfg.window_slots)]
@@ -204,11 +205,32 @@ class SlideDPBackend:
 
     # ---- set-up -------------------------------------------------------------------------------
 
-    def set_routes(self, *, delivery: str, reduction: str, chunk_mib: float | None = None) -> None:
-        """Switch the parameter and gradient routes between steps; the host state is untouched
-        (the CPU route needs its staging region, allocated when slidedp.reduction = "cpu");
-        `chunk_mib` changes the chunk of the copy and update pipelines as well. A peer runtime
-        style runs its own routes only."""
+    def reconfigure(self, knobs: Knobs) -> None:
+        """Apply `knobs` between steps (protocols/reconfigure.py): the routes and chunk first,
+        then the slots, the activation policies, the embedding update (checked against the
+        routes now in force), the update order and the CPU Adam threads."""
+        if (knobs.delivery, knobs.reduction, knobs.chunk_mib) != (None, None, None):
+            self._set_routes(delivery=knobs.delivery or self.cfg.delivery,
+                             reduction=knobs.reduction or self.cfg.reduction,
+                             chunk_mib=knobs.chunk_mib)
+        if knobs.window_slots is not None and knobs.window_slots != self.cfg.window_slots:
+            self._set_window_slots(knobs.window_slots)
+        if knobs.activation is not None:
+            self._set_policies(block_policies(self.args.n_layers, default=knobs.activation,
+                                              blocks=knobs.activation_blocks,
+                                              keep_blocks=knobs.keep_blocks))
+        if knobs.embedding_update is not None:
+            self._set_embedding_update(knobs.embedding_update)
+        if knobs.update_order is not None:
+            self._queue.order = UPDATE_ORDERS[knobs.update_order]
+        if knobs.cpu_threads is not None:
+            self._set_cpu_threads(knobs.cpu_threads)
+
+    def _set_routes(self, *, delivery: str, reduction: str, chunk_mib: float | None) -> None:
+        """The parameter and gradient routes; the host state is untouched (the CPU route needs
+        its staging region, allocated when slidedp.reduction = "cpu"); `chunk_mib` changes the
+        chunk of the copy and update pipelines as well. A peer runtime style runs its own routes
+        only."""
         self.style.check_routes(delivery, reduction)
         check_embedding_update(replace(self.cfg, reduction=reduction),
                                grad_accum_steps=self._accum_steps)
@@ -220,7 +242,8 @@ class SlideDPBackend:
         self._drain()
         if chunk_mib is not None:
             self.chunk = chunk_elems(chunk_mib)
-            self.cfg = replace(self.cfg, chunk_mib=chunk_mib)
+        self.cfg = replace(self.cfg, delivery=delivery, reduction=reduction,
+                           chunk_mib=self.cfg.chunk_mib if chunk_mib is None else chunk_mib)
         self.delivery = Delivery(self.state, self.streams, route=delivery, rank=self.rank,
                                  world=self.world, group=self._gather_group,
                                  chunk_elems=self.chunk, traffic=self.traffic)
@@ -232,9 +255,8 @@ class SlideDPBackend:
                                           threads=self.optimizer.threads,
                                           barrier_per_chunk=self.style.barrier_per_chunk)
 
-    def set_embedding_update(self, where: EmbeddingUpdate) -> None:
-        """Switch slidedp.embedding_update between steps (the bench compares both in one build);
-        pending updates finish first, where they were to run."""
+    def _set_embedding_update(self, where: EmbeddingUpdate) -> None:
+        """slidedp.embedding_update; pending updates finish first, where they were to run."""
         cfg = replace(self.cfg, embedding_update=where)
         check_embedding_update(cfg, grad_accum_steps=self._accum_steps)
         self._drain()
@@ -243,15 +265,11 @@ class SlideDPBackend:
                                      self.layout.embed, rank=self.rank, world=self.world,
                                      traffic=self.traffic) if where == "gpu" else None)
 
-    def set_update_order(self, name: UpdateOrderName) -> None:
-        """Switch slidedp.update_order between steps (the bench compares the orders in one
-        build); the order changes timing only, so the updates still queued simply follow it."""
-        self._queue.order = UPDATE_ORDERS[name]
-
-    def set_cpu_threads(self, threads: int) -> None:
-        """Switch slidedp.cpu_threads between steps (0: this rank's share of the cores). Pending
-        updates finish first, with the old count; the count changes timing only (the CPU Adam's
-        result does not depend on it)."""
+    def _set_cpu_threads(self, threads: int) -> None:
+        """slidedp.cpu_threads (0: this rank's share of the cores). Pending updates finish first,
+        with the old count; the count changes timing only (the CPU Adam's result does not depend
+        on it). A new update order, in reconfigure, needs no drain: it changes timing only, so
+        the updates still queued simply follow it."""
         if threads < 0:
             raise ValueError(f"slidedp.cpu_threads must be >= 0, got {threads}")
         self._drain()
@@ -262,9 +280,9 @@ class SlideDPBackend:
         return cpu_adam.default_num_threads(
             local_world=1 if self.style.sole_owner else self.local_world)
 
-    def set_window_slots(self, slots: int) -> None:
-        """Change the number of GPU block slots between steps (slidedp.window_slots): the slots
-        are allocated anew and the next step delivers every block."""
+    def _set_window_slots(self, slots: int) -> None:
+        """slidedp.window_slots: the slots are allocated anew and the next step delivers every
+        block."""
         if slots < 2:
             raise ValueError(f"slidedp.window_slots must be >= 2, got {slots}")
         self._drain()
@@ -293,15 +311,10 @@ class SlideDPBackend:
         self.steps_done = self.adam_steps = 0
         self._barrier()
 
-    def set_activation(self, *, default: str, blocks: str = "", keep_blocks: int = 0) -> None:
-        """Set the per-block activation policies, as the [slidedp] keys `activation`,
-        `activation_blocks` and `keep_blocks` do; between steps they can change freely (only the
+    def _set_policies(self, policies: list[ActivationPolicy]) -> None:
+        """The per-block activation policies; between steps they can change freely (only the
         compute thread reads them, and a step's saved activations are gone by its end). A larger
         offload pool, if the new policies need one, is allocated before the next step."""
-        self._set_policies(block_policies(self.args.n_layers, default=default, blocks=blocks,
-                                          keep_blocks=keep_blocks))
-
-    def _set_policies(self, policies: list[ActivationPolicy]) -> None:
         new = set(policies) - self.activation_costs.keys()
         if new:
             self.activation_costs.update(measure_costs(new, self.args, self.kernels,

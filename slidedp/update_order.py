@@ -15,9 +15,8 @@ deliveries until its own unit's update is done, so the order changes timing, nev
   updates, runs embedding first, and the next step's forward follows the updates unit by unit
   through the version gates instead of waiting for the whole queue.
 - `arrival` (the default): in the order the gradients came home, each update as early as
-  possible: when backward ends the embedding's update, needed first, is the last in line. On the
-  H200 (Qwen3-4B) `next_use` did not shorten the small-batch step and slowed the step at 8
-  sequences (docs/results/2026-12-01-h200/README.md), so `arrival` stays the default.
+  possible: when backward ends the embedding's update, needed first, is the last in line. It is
+  the default because it measured the faster (docs/results/2026-12-01-h200/README.md).
 """
 
 import threading

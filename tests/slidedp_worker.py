@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from models.flavors import get_flavor
+from protocols.reconfigure import Knobs
 from recipes.config import JobConfig
 from slidedp.engine import SlideDPBackend
 
@@ -98,7 +99,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for i, variant in enumerate(json.loads(a.variants)):
-        # Not slidedp fields: [[delivery, reduction], ...] for set_routes before each step; a
+        # Not slidedp fields: [[delivery, reduction], ...] for the routes (reconfigure) before each step; a
         # delay in seconds added to every host update call (a slow CPU: the updates outlast
         # backward, so what is left is reordered and overlaps the next step's forward); this
         # variant's run settings where they differ from the flags'.
@@ -123,7 +124,7 @@ def main() -> None:
         for step, micro in enumerate(data):
             if route_steps:
                 delivery, reduction = route_steps[step]
-                backend.set_routes(delivery=delivery, reduction=reduction)
+                backend.reconfigure(Knobs(delivery=delivery, reduction=reduction))
             ntok = sum(int((y != -100).sum()) for _, y in micro)
             mine = [(x[rank * a.batch:(rank + 1) * a.batch], y[rank * a.batch:(rank + 1) * a.batch])
                     for x, y in micro]

@@ -1,4 +1,4 @@
-"""AutoPolicy (slidedp/plan/autopolicy.py): its integer program (slidedp/plan/ilp.py) against
+"""AutoPolicy (slidedp/plan/search.py, live.py): its integer program (slidedp/plan/ilp.py) against
 brute force on small instances; the screen, the calibration and the meter on the Qwen3-8B case
 of issue 11 (the model from shipped rates, the probe's timings and the measurements made up);
 and the live stages on two CPU ranks, whose choice a later run loads from the policy file and
@@ -16,9 +16,9 @@ import torch
 
 from recipes.config import parse_config, resolve_model
 from slidedp.activations import KEEP, RECOMPUTE, parse_policy
-from slidedp.plan import autopolicy
-from slidedp.plan.autopolicy import (Model, _budgets, _Meter, build_program, calibrate, screen,
-                                     setting_of)
+from slidedp.plan import live
+from slidedp.plan.live import _Meter
+from slidedp.plan.search import Model, budgets, build_program, calibrate, screen, setting_of
 from slidedp.plan.ilp import Choice, Option, feasible, objective, solve
 from slidedp.plan.policy_file import POLICY_FILE_NAME
 from slidedp.plan.rates import BlockTiming, load_rates, model_key, timing_key
@@ -144,7 +144,7 @@ def calibrated_choice(model: Model, measured_gain_s: float):
     steps measure each as the model predicts but selective (on every block) `measured_gain_s`
     faster than that."""
     setting, policies = setting_of(model.config), [RECOMPUTE] * model.args.n_layers
-    gpu_budget, host_budget = _budgets(model)
+    gpu_budget, host_budget = budgets(model)
     trials = []
 
     def measure(trial, what):
@@ -201,7 +201,7 @@ def test_the_meter_drops_a_whole_update_cycle_at_first_then_the_first_step(monke
             assert lr == 0.0 and len(batches) == 1 and batches[0][0].shape == (2, 4)
             clock[0] += durations.pop(0)
 
-    monkeypatch.setattr(autopolicy.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(live.time, "perf_counter", lambda: clock[0])
     config = SimpleNamespace(training=SimpleNamespace(local_batch_size=2, seq_len=4,
                                                       grad_accum_steps=1))
     meter = _Meter(Backend(), config, SimpleNamespace(vocab_size=11), device=torch.device("cpu"),

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.flavors import get_flavor
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
-from recipes.parallelize import build_model
+from recipes.model import build_model
 
 ARGS = get_flavor("qwen3-debug")
 
@@ -158,15 +158,14 @@ def test_memory_estimate_of_the_offloading_baselines():
     weights and gradients there (ZeRO-2: all of them, ZeRO-3: a shard), and the host check
     counts what they offload."""
     from models.flavors import FLAVORS
-    from slidedp.plan.memory import estimate_device_memory
-    from recipes.preflight import check_host_memory
+    from recipes.preflight import check_host_memory, device_memory
 
     args, world = FLAVORS["qwen3-8B"], 2
     n = args.num_params()
 
     def estimate(**overrides):
-        return estimate_device_memory(make_config({"training.seq_len": 4096, **overrides}), args,
-                                      world=world, kernels="liger")
+        return device_memory(make_config({"training.seq_len": 4096, **overrides}), args,
+                             world=world, kernels="liger")
 
     plain, offload = estimate(**{"parallelism.mode": "fsdp2"}), estimate(
         **{"parallelism.mode": "fsdp2", "parallelism.fsdp_cpu_offload": True})

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import slidedp.engine
 from models.flavors import get_flavor
-from recipes.checkpoint import (META_FILE, TRAIN_STATE, CheckpointSaver, latest_checkpoint, prune,
-                                staging_dir)
+from recipes.checkpoint import (META_FILE, TRAIN_STATE, CheckpointSaver, NonFiniteWeights,
+                                latest_checkpoint, prune, staging_dir)
 from recipes.baselines.eager import build_single_backend
 from slidedp.save_gate import SaveGate
 from slidedp.state_file import REGIONS, state_file
@@ -175,3 +175,26 @@ def test_a_failed_save_is_reported_and_leaves_latest(tmp_path):
     assert latest_checkpoint(str(tmp_path)) == tmp_path / "step-1"
     assert json.loads((tmp_path / "step-1" / TRAIN_STATE / META_FILE).read_text())["step"] == 1
     assert staging_dir(str(tmp_path), 2).is_dir()  # cut short, removed by the next save's prune
+
+
+def test_weights_that_are_not_finite_are_never_saved(tmp_path):
+    """A save whose weights diverged (here one weight poisoned after a finite step) writes
+    neither Hugging Face weights nor a train state, so `latest` stays the last finite save, and
+    the run is stopped with the tensor named."""
+    from recipes.train import hf_exporter
+
+    config = make_config({}, accum=1, max_norm=1.0)
+    backend = build_single_backend(config, ARGS, device=torch.device("cpu"))
+    saver = CheckpointSaver(backend, save_dir=str(tmp_path), keep_latest_k=3, background=False,
+                            rank=0, export_hf=hf_exporter(config, ARGS))
+    backend.train_step(_batch(1), lr=1e-3, global_target_tokens=32)
+    saver.save(1, {"data": {}})
+    saver.wait()
+    backend.train_step(_batch(2), lr=1e-3, global_target_tokens=32)
+    with torch.no_grad():
+        next(p for _, p in backend.named_master_parameters()).view(-1)[:3] = float("nan")
+    with pytest.raises(NonFiniteWeights, match=r"step 2 not saved: .* has 3 of \d+ elements not "
+                                               "finite"):
+        saver.save(2, {"data": {}})  # a blocking save reports at once
+    assert latest_checkpoint(str(tmp_path)) == tmp_path / "step-1"
+    assert not (tmp_path / "step-2").exists() and not staging_dir(str(tmp_path), 2).exists()

@@ -12,7 +12,7 @@ from models.hf_checkpoint import save_hf_checkpoint
 from models.flavors import get_flavor
 from recipes.config import ConfigError, JobConfig, parse_config, resolve_model
 from recipes.lr_schedule import LRSchedule
-from recipes.parallelize import build_model
+from recipes.model import build_model
 from tests.conftest import REPO, subprocess_env
 
 TINY = os.path.join(REPO, "tests", "assets", "tiny")
@@ -116,6 +116,10 @@ def test_missing_config_file():
     (["stray"], "unexpected argument 'stray'"),
     (["--training.grad_accum_steps=0"], "training.grad_accum_steps must be >= 1"),
     (["--slidedp.chunk_mib=1e6"], "slidedp.chunk_mib must be in (0, 1024]"),
+    # inf passes every bound (lr > 0): a run at lr inf trains NaN from its first update.
+    (["--optimizer.lr=inf"], "optimizer.lr must be finite, got inf"),
+    (["--training.max_norm=nan"], "training.max_norm must be finite, got nan"),
+    (["--optimizer.weight_decay=1e400"], "optimizer.weight_decay must be finite, got inf"),
     (["--training.dataset_path=/nonexistent"], "training.dataset_path"),
 ])
 def test_cli_mistakes_are_one_line_naming_the_key(flags, key):

@@ -277,7 +277,7 @@ def test_grad_accumulate_and_sumsq(monkeypatch, isa, src_dtype):
 def test_stream_triad(monkeypatch, isa):
     """STREAM's triad on views at odd offsets (the unaligned and ragged paths), from one
     and several threads, and which loop ran; the bandwidth figure counts STREAM's bytes."""
-    from slidedp.plan import stream
+    from slidedp.plan import triad
 
     if isa != "native":
         monkeypatch.setenv(cpu_adam.ISA_ENV, isa)
@@ -298,7 +298,7 @@ def test_stream_triad(monkeypatch, isa):
     assert alignments == {True, False}
     with pytest.raises(ValueError, match="stream_triad: c"):
         cpu_adam.stream_triad(a, b, c.float(), scalar=3.0, num_threads=1)
-    gbs, ran = stream.triad(elements=1 << 16, threads=2, repeats=2)
+    gbs, ran = triad.triad(elements=1 << 16, threads=2, repeats=2)
     assert gbs > 0 and ran == ("slidedp" if isa == "native" else cpu_adam.TORCH_ISA)
 
 

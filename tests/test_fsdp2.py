@@ -11,7 +11,7 @@ import torch
 from models.flavors import get_flavor
 from recipes.config import JobConfig
 from recipes.baselines.eager import build_fsdp2_backend, build_single_backend
-from recipes.parallelize import build_model
+from recipes.model import build_model
 from recipes.train import build_batches, build_lr_schedule, train_steps
 from tests.conftest import REPO, ranks_fixture
 

@@ -1,4 +1,4 @@
-"""The GPU correctness stage (recipes/bench/h200.sh runs it before anything it measures): every
+"""The GPU correctness stage (recipes/bench/suite.py runs it before anything it measures): every
 SlideDP option the docs measure, on a model of real width deeper than the embedding update's
 prefetch point, trains as `single` does on the same GPU, from the same init on the same batches:
 per-step losses and gradient norms within BF16 tolerance and the final master weights within

@@ -14,7 +14,7 @@ from models.args import RopeScaling
 from models.flavors import get_flavor
 from models.hf_checkpoint import save_hf_checkpoint
 from recipes.config import ConfigError, parse_config, resolve_model
-from recipes.parallelize import build_model
+from recipes.model import build_model
 from recipes.preflight import check_run
 from tests.conftest import REPO, subprocess_env
 

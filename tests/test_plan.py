@@ -153,11 +153,11 @@ def test_the_cache_is_keyed_by_model_and_kernels():
 
 
 def test_the_plan_stage_entry_points_on_the_debug_model(tmp_path):
-    """What recipes/bench/h200.sh's `plan` stage runs, on the debug model on the CPU: the probe
-    writes its rates, the predictions are written before anything is measured, the bench
-    measures the same points and then AutoPolicy's choice in the same build, and `compare`
-    joins them (AutoPolicy's row, if no point had its settings, predicted afterwards from the
-    same rates)."""
+    """What the `plan` suite (recipes/bench/suites/plan.toml) runs, on the debug model on the
+    CPU: the probe writes its rates, the predictions are written before anything is measured,
+    the bench measures the same points and then AutoPolicy's choice in the same build, and
+    `compare` joins them (AutoPolicy's row, if no point had its settings, predicted afterwards
+    from the same rates)."""
     env = subprocess_env(SLIDEDP_RATES_DIR=str(tmp_path / "cache"))
 
     def run(*args: str) -> str:
@@ -185,16 +185,6 @@ def test_the_plan_stage_entry_points_on_the_debug_model(tmp_path):
     assert len(rows) == 5 and not any("predicted after" in r for r in rows if "autopolicy" not in r)
     assert "| slidedp autopolicy |" in table and "AutoPolicy, qwen3-debug at 2 x 64:" in table
     assert "5 rows: mean |error|" in table
-
-
-def test_the_plan_stage_of_h200_sh():
-    script = Path(REPO, "recipes/bench/h200.sh").read_text()
-    stage = script[script.index("plan_stage() {"):script.index("for stage in")]
-    for step in ("plan_measure", "--autopolicy 24", "--autopolicy 8", "--mode fsdp2",
-                 "--mode reference", "model_check compare"):
-        assert step in stage
-    assert "plan) plan_stage ;;" in script
-    assert subprocess.run(["bash", "-n", f"{REPO}/recipes/bench/h200.sh"]).returncode == 0
 
 
 def test_a_plan_counts_the_policies_it_is_given():

@@ -1,6 +1,6 @@
 """The planner and the model check plan a peer runtime style (slidedp.runtime) with the style's
 routes and host regions and, where the step-time model has one, its own schedule, as the bench
-runs it (recipes/bench/h200.sh's strong14b sets SlideFormer's style beside SlideDP)."""
+runs it (the suite strong_scaling_14b sets SlideFormer's style beside SlideDP)."""
 
 import json
 import re
@@ -38,6 +38,21 @@ def test_a_style_without_a_schedule_is_planned_with_slidedps_and_says_so():
     text = "\n".join(plan_text(load_job([*FLAGS, "--slidedp.runtime=megatrain"]),
                                load_rates("h200x4"), world=4))
     assert "simulated with SlideDP's own schedule (the model has none for the megatrain runtime)" in text
+
+
+@pytest.mark.parametrize("flags", [["--slidedp.reduction=locked"], ["--slidedp.runtime=megatrain"]])
+def test_the_locked_route_defers_updates_in_the_plan_as_in_the_engine(flags):
+    """Without clipping or the guard, the locked route's one sum is complete only after every
+    rank's backward: the plan defers its updates (slidedp.host_state.updates_deferred), as the
+    engine does, and says why."""
+    job, rates = load_job([*FLAGS, *flags]), load_rates("h200x4")
+    spec = step_spec(job.config, job.args, flavor="qwen3-debug", kernels="liger", world=4,
+                     rates=rates)
+    assert spec.reduction == "locked" and spec.deferred
+    assert "the locked route's one sum" in "\n".join(plan_text(job, rates, world=4))
+    own = load_job(FLAGS)
+    assert not step_spec(own.config, own.args, flavor="qwen3-debug", kernels="liger", world=4,
+                         rates=rates).deferred
 
 
 def test_a_slideformer_point_is_predicted_and_joined_under_the_benchs_keys(tmp_path):

@@ -12,12 +12,13 @@ from models.args import RopeScaling
 from models.flavors import FLAVORS, get_flavor
 from models.hf_checkpoint import save_hf_checkpoint
 from recipes.config import ConfigError, JobConfig, parse_config
-from slidedp.plan.memory import activation_bytes, estimate_device_memory, largest_fitting_batch
-from recipes.parallelize import build_model
+from recipes.model import build_model
 from recipes.preflight import (check_device_memory, check_host_memory, check_run, check_seq_len,
-                               launch_flags, slidedp_host_bytes)
+                               device_memory, largest_fitting_batch, launch_flags,
+                               slidedp_host_bytes)
 from recipes.train import build_batches
 from slidedp.activations import parse_policy
+from slidedp.plan.memory import activation_bytes
 from tests.conftest import REPO
 
 TINY = os.path.join(REPO, "tests", "assets", "tiny")
@@ -174,7 +175,7 @@ MEASURED = [
 def test_estimate_is_near_the_measured_peak(mode, flavor, batch, slidedp, measured):
     """Close to what was measured, and none of these runs, which fit, is refused on an H200."""
     config = gpu_config(mode, batch=batch, **slidedp)
-    est = estimate_device_memory(config, FLAVORS[flavor], world=2)
+    est = device_memory(config, FLAVORS[flavor], world=2)
     assert 0.9 < est.total / GiB / measured < 1.2
     check_device_memory(config, FLAVORS[flavor], world=2, capacity=H200)
 
@@ -199,7 +200,7 @@ def test_estimate_is_near_the_measured_peak_on_both_kernel_paths(mode, kernels, 
     config = gpu_config(mode, batch=batch, activation=activations if mode == "slidedp" else "recompute")
     config.activation_checkpoint.mode = "full" if activations == "full" else "none"
     config.training.dtype = "bf16"
-    est = estimate_device_memory(config, FLAVORS["qwen3-4B"], world=1, kernels=kernels)
+    est = device_memory(config, FLAVORS["qwen3-4B"], world=1, kernels=kernels)
     # Full recompute counts a whole rebuilt block beside the inputs: up to 23% over.
     assert 0.95 < est.total / GiB / measured < 1.25
     check_device_memory(config, FLAVORS["qwen3-4B"], world=1, capacity=H200, kernels=kernels)
@@ -212,12 +213,12 @@ def test_estimate_follows_the_shapes():
         for p in ("keep", "selective", "recompute", "selective@offload=1"))
     assert keep > selective > recompute == 2 * args.dim  # recompute keeps the BF16 block input
     assert offloaded == selective - recompute  # its input on the host, SDPA's outputs stay
-    one, two, three = (estimate_device_memory(gpu_config("slidedp", batch=b), args, world=2)
+    one, two, three = (device_memory(gpu_config("slidedp", batch=b), args, world=2)
                        for b in (1, 2, 3))
     # Affine in the batch: the RoPE tables a rebuilt block casts grow with the positions only.
     assert abs((three.activations - two.activations) - (two.activations - one.activations)) <= 1
     assert two.activations < 2 * one.activations and two.resident == one.resident
-    fsdp2 = [estimate_device_memory(gpu_config("fsdp2", batch=1), args, world=w).resident
+    fsdp2 = [device_memory(gpu_config("fsdp2", batch=1), args, world=w).resident
              for w in (2, 4)]
     assert fsdp2[1] < fsdp2[0]  # sharded over more ranks
 
@@ -233,7 +234,7 @@ def test_device_memory_refused_with_the_numbers():
     assert 48 <= fits < 96 and f"training.local_batch_size = {fits} fits" in message
     assert "GiB per device" in message and "the device has 140.0 GiB" in message
     bigger = gpu_config("slidedp", batch=fits + 1)
-    assert estimate_device_memory(bigger, args, world=2).total > capacity
+    assert device_memory(bigger, args, world=2).total > capacity
     with pytest.raises(ConfigError, match='alone do not fit: use parallelism.mode = "slidedp"'):
         check_device_memory(gpu_config("single", batch=1), FLAVORS["qwen3-14B"], world=1,
                             capacity=capacity)
@@ -270,14 +271,14 @@ def test_estimate_counts_the_reduced_gradients_held_on_the_device():
     for world in (1, 2):
         held = gpu_config("slidedp", batch=1, bf16_shadow=False)
         held.training.max_norm, held.training.nonfinite = 0.0, "off"
-        assert estimate_device_memory(held, args, world=world).gradients == pytest.approx(
+        assert device_memory(held, args, world=world).gradients == pytest.approx(
             2 * args.num_params() / world, rel=0.01)
         for shadow, max_norm in ((True, 0.0), (False, 1.0)):
             config = gpu_config("slidedp", batch=1, bf16_shadow=shadow)
             config.training.max_norm, config.training.nonfinite = max_norm, "off"
-            assert estimate_device_memory(config, args, world=world).gradients == 0
+            assert device_memory(config, args, world=world).gradients == 0
     held.training.grad_accum_steps = 2  # the FP32 sum on the host
-    assert estimate_device_memory(held, args, world=1).gradients == 0
+    assert device_memory(held, args, world=1).gradients == 0
 
 
 def test_host_memory_refused_with_the_numbers():

@@ -23,7 +23,7 @@ from slidedp.layout import StateLayout
 from slidedp.state_file import load_shards
 from recipes.train import SyntheticBatches
 from tests.test_config import parse_error, run_cli
-from tests.test_train_cli import run_train
+from tests.test_train_cli import launch, run_train
 
 STEPS, HALF = 6, 3
 # The debug config's global batch of 8 samples, on one or two ranks.
@@ -108,6 +108,17 @@ def test_single_resumes_latest_after_a_crash(tmp_path):
     # The crashed run had logged every step past the save, and was killed writing one more row.
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": ')
+    # A resume its loader cannot continue (another seq_len) is refused with one line before
+    # anything is touched: the records past the save stay.
+    records, events = (out / "metrics.jsonl").read_bytes(), tensorboard_losses(out)
+    refused = launch(f"--training.steps={STEPS}", f"--job.dump_folder={out}",
+                     f"--checkpoint.save_dir={out}/hf", "--checkpoint.resume_from=latest",
+                     "--training.seq_len=64")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint.resume_from: {out}/hf/step-{HALF}: data state mismatch: checkpoint "
+        "has seq_len=128, this loader 64")
+    assert (out / "metrics.jsonl").read_bytes() == records and tensorboard_losses(out) == events
     resumed = train(out, "single", "--checkpoint.resume_from=latest")
     assert_resumed_exactly(full, resumed)  # each step once: the rows past the save were dropped
     assert tensorboard_losses(out) == [(r["step"], pytest.approx(r["loss"])) for r in full]

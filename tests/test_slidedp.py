@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from models.flavors import get_flavor
+from protocols.reconfigure import Knobs
 from recipes.baselines.eager import build_single_backend
 from slidedp.layout import SHARD_ALIGN, StateLayout
 from slidedp.peer_styles import RUNTIME_STYLES
@@ -215,7 +216,7 @@ CASES["test_routes_switch_between_steps_in_every_direction"] = Case(
 
 
 def test_routes_switch_between_steps_in_every_direction(request, slidedp_runs):
-    """set_routes through all 12 transitions of the four datapaths (CIRCUIT, an Eulerian
+    """reconfigure through all 12 route transitions of the four datapaths (CIRCUIT, an Eulerian
     circuit), with accumulation: the cpu route's buffer release must not wait for returns the
     gpu route never made (it hung on cpu -> gpu -> cpu)."""
     case, results = slidedp_runs(request.node.name)
@@ -614,7 +615,7 @@ def test_updates_left_after_backward_run_in_the_next_steps_order(order):
 
 
 def test_activation_policies_switch_between_steps():
-    """set_activation between steps (the bench and AutoPolicy's validation use it): a run that
+    """New activation policies between steps (the bench and AutoPolicy's validation use it): a run that
     changes policy every step still equals `single`."""
     from slidedp.engine import SlideDPBackend
 
@@ -628,7 +629,8 @@ def test_activation_policies_switch_between_steps():
         settings = [("keep", "", 0), ("selective", "", 2),
                     ("recompute", "2:segments(attention_core)@offload=1, 3:keep@offload=0.37", 1)]
         for micro, (policy, blocks, keep) in zip(data, settings):
-            backend.set_activation(default=policy, blocks=blocks, keep_blocks=keep)
+            backend.reconfigure(Knobs(activation=policy, activation_blocks=blocks,
+                                      keep_blocks=keep))
             ntok = sum(int((y != -100).sum()) for _, y in micro)
             result = backend.train_step(micro, lr=1e-3, global_target_tokens=ntok)
             losses.append(result.loss_sum / ntok)
@@ -855,3 +857,29 @@ def test_offloaded_activations_are_freed_when_a_step_fails():
     finally:
         BlockOffload.pack = pack
         backend.close()
+
+
+def test_reconfigure_checks_each_knob_against_the_routes_in_force():
+    """reconfigure applies the routes before the embedding update, so the update is checked
+    against the route the call leaves in force, in one call or over two; Knobs refuses block
+    overrides without the policy they modify."""
+    from slidedp.engine import SlideDPBackend
+
+    cfg = make_config({"reduction": "cpu"}, accum=1, max_norm=0.0)
+    backend = SlideDPBackend(cfg, get_flavor("qwen3-debug"), device=torch.device("cpu"),
+                             dp_rank=0, dp_world=1)
+    try:
+        with pytest.raises(ValueError, match='embedding_update = "gpu" needs'):
+            backend.reconfigure(Knobs(embedding_update="gpu"))  # the cpu route is in force
+        backend.reconfigure(Knobs(reduction="gpu", embedding_update="gpu"))
+        assert (backend.cfg.reduction, backend.cfg.embedding_update) == ("gpu", "gpu")
+        backend.reconfigure(Knobs(embedding_update="host"))
+        backend.reconfigure(Knobs(reduction="cpu", chunk_mib=1.0, window_slots=2))
+        assert (backend.cfg.delivery, backend.cfg.reduction, backend.cfg.chunk_mib,
+                backend.cfg.window_slots) == ("sharded", "cpu", 1.0, 2)
+        with pytest.raises(ValueError, match='embedding_update = "gpu" needs'):
+            backend.reconfigure(Knobs(embedding_update="gpu"))
+    finally:
+        backend.close()
+    with pytest.raises(ValueError, match="apply with activation"):
+        Knobs(keep_blocks=2)

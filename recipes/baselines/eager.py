@@ -22,7 +22,7 @@ from models.qwen import QwenModel, init_parameter
 from protocols.backend import Batch, StepResult
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
 from recipes.config import JobConfig
-from recipes.parallelize import build_kernels, build_model
+from recipes.model import build_kernels, build_model
 
 
 def clip_grad_norm(parameters: list[nn.Parameter], *, max_norm: float, sharded: bool) -> float:

@@ -32,7 +32,7 @@ from models.qwen import QwenModel
 from protocols.backend import Batch, StepResult
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
 from recipes.config import JobConfig
-from recipes.parallelize import build_kernels, build_model
+from recipes.model import build_kernels, build_model
 
 DEEPSPEED_VERSION = "0.19.8"
 """The release this mode is written and measured with (pyproject.toml's extra pins it)."""

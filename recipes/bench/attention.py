@@ -1,6 +1,7 @@
 """Forward + backward time of causal GQA attention per SDPA backend, at a model's shapes.
 
     python -m recipes.bench.attention --flavor qwen3-4B --seq 4096 --batches 1,4 --out attn.jsonl
+    python -m recipes.bench.attention --fastest attn.jsonl      # the fastest row's backend
 
 Each row: the backend asked for, the aten kernel that ran (a backend that cannot take the call
 is reported as such), the median time of forward + backward over `--iters` runs after a warm-up
@@ -12,6 +13,7 @@ rate there (model_check predict --attention-rows).
 """
 
 import argparse
+import json
 import statistics
 from dataclasses import replace
 from typing import get_args
@@ -97,7 +99,16 @@ def main() -> None:
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help="comma list of SDPA backends ([model] attention values, auto included)")
     p.add_argument("--out", default="")
+    p.add_argument("--fastest", metavar="ROWS",
+                   help="print the backend of the fastest row of this file, measure nothing")
     a = p.parse_args()
+    if a.fastest:
+        rows = [json.loads(line) for line in open(a.fastest) if line.strip()]
+        timed = [r for r in rows if "tflops" in r]
+        if not timed:
+            raise SystemExit(f"error: {a.fastest}: no timed row")
+        print(max(timed, key=lambda r: r["tflops"])["backend"])
+        return
     unknown = set(a.backends.split(",")) - set(get_args(AttentionChoice))
     if unknown:
         p.error(f"unknown backend {sorted(unknown)[0]!r} (backends: {', '.join(get_args(AttentionChoice))})")

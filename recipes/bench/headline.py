@@ -1,5 +1,5 @@
 """Headline figures from bench rows (docs/PERFORMANCE.md's rules): a point measured in several
-launches (each row's `launch`, recipes/bench/h200.sh `launches`) is quoted as the median of its
+launches (each row's `launch`: a suite workload's `launches`) is quoted as the median of its
 launches' tokens/s with their min-max; rows are read through `read_rows`, so one row of a step
 that did not train refuses the file.
 

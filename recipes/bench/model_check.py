@@ -32,6 +32,7 @@ from recipes.bench.rows import emit
 from recipes.bench.throughput import point_specs, system_name
 from recipes.config import JobConfig, resolve_model
 from slidedp.activations import KEEP, RECOMPUTE
+from slidedp.host_state import updates_deferred
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.predict import plan_run
 from slidedp.plan.rates import Rates, load_rates, timing_key
@@ -64,8 +65,8 @@ DEFAULTS = {"runtime": "slidedp", "activation_blocks": "", "keep_blocks": 0, "sl
             "chunk_mib": 32.0, "accum": 1, "max_norm": 0.0, "nonfinite": "off",
             "embedding_update": "host"}
 """For rows from before the bench recorded a key: its defaults, and max_norm 0 as every SlideDP
-stage of h200.sh ran then (the non-finite guard did not exist; nor the embedding's update on
-the GPU)."""
+launch of the GPU runs ran then (the non-finite guard did not exist; nor the embedding's update
+on the GPU)."""
 
 
 def _get(row: dict, key: str):
@@ -133,7 +134,10 @@ def _batch(row: dict) -> str:
 def _updates(row: dict) -> str:
     if row["mode"] != "slidedp":
         return "-"
-    deferred = _get(row, "max_norm") > 0 or _get(row, "nonfinite") != "off"
+    style_routes = RUNTIME_STYLES[row.get("runtime") or "slidedp"].routes
+    reduction = (style_routes or row["route"].split("/"))[-1]
+    deferred = updates_deferred(max_norm=_get(row, "max_norm"), nonfinite=_get(row, "nonfinite"),
+                                reduction=reduction)
     where = ", embedding on the GPU" if _get(row, "embedding_update") == "gpu" else ""
     return ("deferred" if deferred else "in backward") + where
 

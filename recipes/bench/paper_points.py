@@ -14,8 +14,8 @@ measured), for docs/RESULTS.md:
   the bridges.
 - The cast-and-copy of an 800M-parameter layer by one GPU and by two at once; with
   `--cast-and-copy RATES ...` only this table, from the probe's rates of 1, 2, 4, ... ranks of one
-  machine (their copies with every rank copying measured, the cast modelled; recipes/bench/h200.sh
-  stage `castcopy`).
+  machine (their copies with every rank copying measured, the cast modelled; the suite
+  `cast_copy`).
 Assumed everywhere: torch kernels, full recompute, no clipping (max_norm = 0), 3 slots, 32 MiB
 chunks, the BF16 shadow (SlideFormer: the FP32 master cast on the CPU).
 """

@@ -1,4 +1,4 @@
-"""STREAM triad on the host (slidedp/plan/stream.py), the attainable memory bandwidth a CPU
+"""STREAM triad on the host (slidedp/plan/triad.py), the attainable memory bandwidth a CPU
 update is measured against.
 
     python -m recipes.bench.stream --threads 1,2,4,8,16
@@ -6,7 +6,7 @@ update is measured against.
 
 import argparse
 
-from slidedp.plan.stream import default_elements, triad_gbs
+from slidedp.plan.triad import default_elements, triad_gbs
 
 
 def main() -> None:

@@ -39,17 +39,19 @@ from models.args import QwenArgs
 from models.kernels import Kernels, sdpa_backend_used
 from models.qwen import QwenModel
 from protocols.backend import StepResult
+from protocols.reconfigure import Knobs
 from recipes.config import ConfigError, JobConfig, resolve_model
 from recipes.metrics import gpu_name, memory, throughput
 from recipes.bench.rows import emit, exit_if_invalid, read_rows, training
 from recipes.bench.timeline import breakdown
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
 from recipes.baselines.eager import clip_grad_norm
-from recipes.parallelize import build_backend, build_kernels
+from recipes.model import build_kernels
+from recipes.parallelize import build_backend
 from recipes.preflight import check_mode_options, check_seq_len
 from recipes.train import SyntheticBatches, process_group_backend
 from slidedp.activations import format_blocks
-from slidedp.plan.autopolicy import MEASURED_STEPS, select_live
+from slidedp.plan.live import MEASURED_STEPS, select_live
 from slidedp.config import EmbeddingUpdate, RuntimeName
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.update_order import UPDATE_ORDERS
@@ -252,14 +254,13 @@ def main() -> None:
     written: list[dict] = []
     for route in routes:
         if a.mode == "slidedp":
-            backend.set_routes(delivery=route.split("/")[0], reduction=route.split("/")[1])
+            delivery, reduction = route.split("/")
+            backend.reconfigure(Knobs(delivery=delivery, reduction=reduction))
         for k, (policy, blocks, batch, accum, order, threads, embedding) in enumerate(points):
             if a.mode == "slidedp":
-                backend.set_activation(default=policy, blocks=blocks,
-                                       keep_blocks=a.keep_blocks)
-                backend.set_update_order(order)
-                backend.set_cpu_threads(threads)
-                backend.set_embedding_update(embedding)
+                backend.reconfigure(Knobs(activation=policy, activation_blocks=blocks,
+                                          keep_blocks=a.keep_blocks, update_order=order,
+                                          cpu_threads=threads, embedding_update=embedding))
             step = (runner.step if a.mode == "reference" else
                     _train_step(backend, accum=accum, tokens=batch * a.seq * world))
             measured = _measure(a, step, batch=batch,
@@ -397,7 +398,7 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
 
 def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args: QwenArgs,
                 rank: int, world: int, device: torch.device) -> dict:
-    """AutoPolicy (slidedp/plan/autopolicy.py) on this build at `--autopolicy` sequences per GPU,
+    """AutoPolicy (slidedp/plan/live.py) on this build at `--autopolicy` sequences per GPU,
     then its choice measured like every point: its row, labelled "autopolicy", with the
     selection's time and steps and the configuration it started from measured by AutoPolicy
     itself."""
@@ -405,11 +406,10 @@ def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args:
     cfg.training.local_batch_size = a.autopolicy
     # It starts from the configured policies (--activation, ...), update order and threads, not
     # the last point's: the row records those.
-    backend.set_activation(default=a.activation, blocks=a.activation_blocks,
-                           keep_blocks=a.keep_blocks)
-    backend.set_update_order(cfg.slidedp.update_order)
-    backend.set_cpu_threads(int(a.cpu_threads.split(",")[0]))
-    backend.set_embedding_update(cfg.slidedp.embedding_update)
+    backend.reconfigure(Knobs(activation=a.activation, activation_blocks=a.activation_blocks,
+                              keep_blocks=a.keep_blocks, update_order=cfg.slidedp.update_order,
+                              cpu_threads=int(a.cpu_threads.split(",")[0]),
+                              embedding_update=cfg.slidedp.embedding_update))
     chosen = select_live(backend, cfg, args, flavor=a.flavor, device=device, rank=rank,
                          world=world, group=dist.group.WORLD if world > 1 else None,
                          out=os.path.join(os.path.dirname(a.out) or ".",

@@ -185,7 +185,7 @@ class Runner:
     def _env(self, nproc: int) -> dict[str, str]:
         cores = len(os.sched_getaffinity(0))
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        # As run_train.sh and recipes/bench/h200.sh: each rank's share of the cores, and NVLink
+        # As run_train.sh and recipes/bench/suite.py: each rank's share of the cores, and NVLink
         # multicast off.
         return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1",
                     OMP_NUM_THREADS=str(max(1, cores // nproc)), NCCL_NVLS_ENABLE="0",

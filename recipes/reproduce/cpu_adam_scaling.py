@@ -1,6 +1,6 @@
 """CPU Adam against cores, beside the host's memory bandwidth measured in the same run: for each
 thread count, our fused AdamW (slidedp/cpu_adam.py), torch's fused AdamW with the casts a runtime
-needs around it, a torch copy_, and a STREAM triad (slidedp/plan/stream.py) on as many threads.
+needs around it, a torch copy_, and a STREAM triad (slidedp/plan/triad.py) on as many threads.
 The update's bytes are counted at 28 per parameter, the triad's as STREAM counts them.
 
     python -m recipes.reproduce.cpu_adam_scaling [--params 200e6] [--threads 1,2,4,8,16]
@@ -10,7 +10,7 @@ import os
 
 from recipes.bench import cpu_adam
 from recipes.reproduce.common import Column, log2_axis, parser, start, write_outputs
-from slidedp.plan import stream
+from slidedp.plan.triad import default_elements, triad
 
 PAPER = ("on the H100 host CPU Adam reaches an estimated 182-184 GB/s at 16 physical cores "
          "across 101-488M-parameter layers; 32 cores improve the update by only 8.5-10.0%.")
@@ -53,7 +53,7 @@ def main() -> None:
                                + [cores]))
     runner = start(args, "cpu_adam_scaling",
                    gpu={"params": 200e6, "threads": all_threads,
-                        "stream_elements": stream.default_elements()},
+                        "stream_elements": default_elements()},
                    tiny={"params": 2e6, "threads": "1,2", "stream_elements": 4 * 2**20})
     threads = [int(t) for t in args.threads.split(",")]
     isa = cpu_adam.cpu_adam.active_isa()
@@ -61,12 +61,12 @@ def main() -> None:
           f"triad 3 x {args.stream_elements * 8 / 2**20:.0f} MiB, threads {threads}", flush=True)
     rows = []
     for row in cpu_adam.run(int(args.params), threads, args.repeats):
-        triad, kernel = stream.triad(elements=args.stream_elements, threads=row["threads"],
-                                     repeats=args.repeats)
-        rows.append({**row, "triad_gbs": triad, "triad_kernel": kernel,
-                     "ours_over_triad": row["ours_gbs"] / triad})
+        gbs, kernel = triad(elements=args.stream_elements, threads=row["threads"],
+                            repeats=args.repeats)
+        rows.append({**row, "triad_gbs": gbs, "triad_kernel": kernel,
+                     "ours_over_triad": row["ours_gbs"] / gbs})
         print(f"[cpu_adam_scaling]   {row['threads']} threads: ours {row['ours_gbs']:.1f} GB/s, "
-              f"triad {triad:.1f} GB/s ({kernel})", flush=True)
+              f"triad {gbs:.1f} GB/s ({kernel})", flush=True)
     write_outputs(runner, rows, COLUMNS, title="CPU Adam against cores", paper=PAPER,
                   plot=plot, notes=NOTES)
 

@@ -18,9 +18,8 @@ NATIVE = 32768
 
 WARM_BELOW = 131072
 """Without --warmup, lengths below this get one warm-up step, longer ones none. A step of a few
-seconds would otherwise carry the first update cycle's tail: on one H200, Qwen3-4B at 32,768 and
-65,536 tokens waited 5.1 and 3.7 s after their compute for updates (call 20), where a step of
-minutes hides it."""
+seconds would otherwise carry the first update cycle's tail (seconds of updates after its
+compute), which a step of minutes hides."""
 
 PAPER = ("256K-token sequences for Qwen3-14B on 4 x H100 (no throughput given), and over 1M "
          "tokens per step without gradient accumulation.")

@@ -15,21 +15,8 @@ block PREFETCH_AT_BLOCK (the last block if fewer) to the update, beside what is 
 activations of the blocks not yet through backward, or the gradients when it ends (deferred
 updates: after the step's norm, and the next forward starts once it is done).
 
-resident and gradients, by mode (N = parameters, R = ranks, b = bytes of the compute dtype: 2
-for BF16, 4 for FP32):
-    single   resident: FP32 weights + Adam m and v, 12 B/param, plus the BF16 weight copies that
-             autocast caches during the step (2 B/param with training.dtype = "bf16");
-             gradients: FP32, 4 B/param
-    fsdp2    resident: the same 12 B/param sharded over R, plus unsharded copies in the compute
-             dtype of the root (embedding, final norm, head) and of FSDP_UNSHARDED_BLOCKS blocks;
-             gradients: 4 B/param sharded over R, plus the unsharded gradient of the root and of
-             one block in the compute dtype and in FP32 for the reduce-scatter; with
-             parallelism.fsdp_cpu_offload the sharded 12 + 4 B/param are in host memory
-    deepspeed ZeRO-Offload (the optimizer state and FP32 master on the host): resident BF16
-             weights, 2 B/param (ZeRO-2: all of them; ZeRO-3: sharded over R plus the root and
-             FSDP_UNSHARDED_BLOCKS blocks gathered); gradients: BF16, 2 B/param (ZeRO-2's
-             reduce buckets hold them until they are copied to the host) or sharded over R
-             (ZeRO-3)
+resident and gradients (N = parameters, R = ranks) are the mode's Footprint: SlideDP's here
+(slidedp_footprint), the baselines' (single, fsdp2, deepspeed) in recipes/baselines/memory.py:
     slidedp  resident: BF16 buffers (slidedp.window_slots block slots + embedding + head), the
              gradients in flight during backward (SLIDEDP_GRAD_COPIES copies of
              SLIDEDP_GRAD_BLOCKS blocks and of the head; the embedding's comes last, when the
@@ -53,9 +40,9 @@ each of BLOCK_SEGMENTS saves when it is kept), as the engine runs each policy
                    checkpoint): the run's inputs (SEGMENT_INPUTS: the tensors before its first
                    segment, the residual included). keep is every segment kept; recompute one
                    run, which keeps the block input.
-    op-level sets  (SavedOps, and torchtitan's "selective" of the GPU-resident modes): the block
-                   input, and the outputs of their ops, cached outside the hooks (OP_OUTPUTS,
-                   OP_SELECTIVE_OUTPUTS).
+    op-level sets  (SavedOps, and CachedOutputs: torchtitan's "selective" of the GPU-resident
+                   modes): the block input, and the outputs of their ops, cached outside the
+                   hooks (OP_OUTPUTS, or the named tensors).
     offload=f      f of the hooked bytes on the host, the cached outputs stay on the device.
 What backward holds beyond that (rebuilt_bytes): the largest replayed run's saved tensors less
 the run's inputs and the cached outputs (a checkpoint replays its whole run when backward first
@@ -63,14 +50,9 @@ needs one of them), plus the offloaded part brought back.
 Widths: dim; q = n_heads x head_dim; kv = n_kv_heads x head_dim; hidden = the MLP's width; heads
 and kv_heads (the per-row FP32 log-sum-exp and inverse RMS); the tables 2 x head_dim per position.
 
-These bytes are what the engine's start-up measurement (slidedp/activations/cost.py) gives:
-equal, on the CPU, for all 256 segment masks and the op-level sets of both debug families on
-the torch path (checked once; tests/test_plan_memory.py keeps 12 of them); on the H200 with
-liger (docs/results/2026-12-01-h200/h200_call{5,6}_log.txt), within the reports' 0.1 MiB per
-block for Qwen3-4B under keep, keep@offload=0.1 and 0.3, recompute, selective and
-segments(qkv+attention_core+o_proj+mlp_up+down_proj), and for Qwen3-8B under keep, recompute
-and selective; the keep bytes counted through autograd's saved tensors on both paths
-(docs/results/2026-12-01-h200/h200_call1_activations.jsonl) exactly. Approximate: the few fixed
+These bytes are what the engine's start-up measurement (slidedp/activations/cost.py) gives
+(tests/test_plan_memory.py checks segment masks and op-level sets of both debug families on the
+CPU against it; docs/results/2026-12-01-h200/README.md has the GPU check). Approximate: the few fixed
 bytes of an SDPA kernel (RNG seeds) are not counted; with training.dtype = "fp32" torch's FP32
 copy of an FP32 tensor is the tensor itself, counted twice; mode single's autocast keeps the
 residual stream in FP32 (counted in the compute dtype); what a block's backward allocates
@@ -79,27 +61,19 @@ besides the saved and rebuilt tensors (its gradients, the kernels' workspaces) i
 logits: one chunk of the loss, min(loss_chunk_tokens, tokens) x vocab x LOGITS_BYTES.
 
 Every constant that calibration may change is in the block below. They are counted from the
-code (LOGITS_BYTES and the embedding's gradient were revised after comparing with the peaks
-measured on 2 x H200, docs/results/2026-11-30-h200x2/README.md): for Qwen3-8B and 14B under
-fsdp2 and slidedp the estimate is 0-16% above the measured allocation
-(tests/test_preflight.py::test_estimate_is_near_the_measured_peak); for Qwen3-4B on one H200 on
-both kernel paths, -2% to +23% (the most for full recompute;
-test_estimate_is_near_the_measured_peak_on_both_kernel_paths); for the segment masks with liger
-(Qwen3-4B at 8 sequences, Qwen3-8B at 5 and 6), 0-10% above
-(docs/results/2026-12-01-h200/h200_call{5,6}_runs.jsonl,
-tests/test_plan_memory.py::test_segment_mask_peaks_on_the_h200). Not measured: mode single.
+code; tests/test_preflight.py and tests/test_plan_memory.py hold the estimate against peaks
+measured on GPUs (their bounds are the accuracy). Not checked against a GPU: mode single.
 """
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import groupby
 from typing import Literal
 
 from models.args import QwenArgs
 from models.qwen import BLOCK_SEGMENTS
-from slidedp.activations import (KEEP, RECOMPUTE, ActivationPolicy, Bytes, SavedOps, SegmentMask,
-                                 block_policies)
+from slidedp.activations import ActivationPolicy, Bytes, SavedOps, SegmentMask, block_policies
 from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK
 from slidedp.host_state import HostStatePlan, updates_deferred
 from slidedp.layout import StateLayout, chunk_elems
@@ -161,8 +135,6 @@ QK_NORM_SAVES: dict[str, tuple[str, ...]] = {
 OP_OUTPUTS: dict[str, tuple[str, ...]] = {
     "attention": ("o", "lse"), "matmul": ("q0", "k0", "v", "o_mm", "gate", "up", "down_mm")}
 """The outputs of SavedOps' op classes (slidedp/activations/policy.py OP_CLASSES)."""
-OP_SELECTIVE_OUTPUTS = ("q0", "v", "gate", "down_mm", "o", "lse")
-"""torchtitan's op-level policy: every other matmul's output (q, v, gate, down) and SDPA's."""
 
 # ---- calibration constants -----------------------------------------------------------------
 
@@ -177,9 +149,6 @@ HEAD_GRAD_BYTES: dict[str, int] = {"torch": 0, "liger": 6}
 """Per head parameter: the liger loss computes the head's gradient in its forward, into an FP32
 accumulator (4) that is cast to BF16 (2) at the end."""
 
-FSDP_UNSHARDED_BLOCKS = 3
-"""fsdp2: blocks unsharded at once (the one computing, the prefetched one, the last block, which
-stays unsharded after forward)."""
 SLIDEDP_GRAD_BLOCKS = 2
 """slidedp: blocks whose gradients are on the device at once (the one in backward, the one
 being returned)."""
@@ -240,10 +209,10 @@ def saved_tensors(policy: ActivationPolicy, args: QwenArgs,
     return frozenset(hooked), frozenset()
 
 
-def _cached_outputs(policy: ActivationPolicy) -> Iterable[str]:
+def _cached_outputs(policy: "ActivationPolicy | CachedOutputs") -> Iterable[str]:
     if isinstance(policy, SavedOps):
         return {name for op in policy.ops for name in OP_OUTPUTS[op]}
-    return OP_SELECTIVE_OUTPUTS  # _OpSelective, the GPU-resident modes' "selective"
+    return policy.outputs
 
 
 def activation_bytes(args: QwenArgs, policy: ActivationPolicy, *, compute_bytes: int,
@@ -305,61 +274,49 @@ class MemoryEstimate:
 
 
 @dataclass(frozen=True)
-class _OpSelective:
-    """The GPU-resident modes' activation_checkpoint.mode = "selective" (torchtitan's op-level
-    policy, recipes/baselines/activation_checkpoint.py), which saves OP_SELECTIVE_OUTPUTS: it is
-    no SlideDP policy, only its memory is needed here."""
+class CachedOutputs:
+    """A block checkpoint that caches the named op outputs (TENSORS) beside its input: the
+    GPU-resident modes' op-level "selective" (recipes/baselines/memory.py). No SlideDP policy;
+    only its memory is modelled."""
 
-    base: str = "op_selective"
+    outputs: frozenset[str]
+    base: str = "cached_outputs"
     offload: float = 0.0
 
 
-_CHECKPOINTING = {"none": KEEP, "full": RECOMPUTE, "selective": _OpSelective()}
-"""activation_checkpoint.mode of single and fsdp2 -> what each block keeps."""
+@dataclass(frozen=True)
+class Footprint:
+    """What one rank of a mode holds on the device besides activations and logits, and what
+    each block keeps: the mode-specific part of the estimate."""
+
+    resident: int
+    """MemoryEstimate.resident."""
+    gradients: int
+    """MemoryEstimate.gradients."""
+    policies: list
+    """Per block: an ActivationPolicy or CachedOutputs."""
+    compute_bytes: int
+    """Bytes of the compute dtype (2 for BF16, 4 for FP32)."""
+    embedding_update: int = 0
+    """slidedp.embedding_update = "gpu": the embedding's state and update on the device."""
 
 
-def _policies(config, n_layers: int) -> list[ActivationPolicy]:
-    if config.parallelism.mode == "slidedp":
-        s = config.slidedp
-        return block_policies(n_layers, default=s.activation, blocks=s.activation_blocks,
+def slidedp_footprint(config, args: QwenArgs, *, world: int) -> Footprint:
+    """SlideDP's resident buffers and held gradients (module docstring), its block policies,
+    BF16 compute, and the GPU embedding update's bytes."""
+    s = config.slidedp
+    policies = block_policies(args.n_layers, default=s.activation, blocks=s.activation_blocks,
                               keep_blocks=s.keep_blocks)
-    return [_CHECKPOINTING[config.activation_checkpoint.mode]] * n_layers
-
-
-def _compute_bytes(config) -> int:
-    """SlideDP and DeepSpeed always compute in BF16; the GPU-resident modes as training.dtype
-    says."""
-    bf16 = config.parallelism.mode in ("slidedp", "deepspeed") or config.training.dtype == "bf16"
-    return 2 if bf16 else 4
-
-
-def _resident_and_gradients(config, args: QwenArgs, *, world: int,
-                            compute_bytes: int) -> tuple[int, int]:
-    mode, n = config.parallelism.mode, args.num_params()
-    if mode == "single":
-        return n * 12 + (n * 2 if compute_bytes == 2 else 0), n * 4
-    block = args.block_params()
-    root = n - args.n_layers * block
-    if mode == "fsdp2":
-        unsharded = (root + FSDP_UNSHARDED_BLOCKS * block) * compute_bytes
-        on_device = not config.parallelism.fsdp_cpu_offload  # else the shards are on the host
-        resident = on_device * math.ceil(n * 12 / world) + unsharded
-        return resident, on_device * math.ceil(n * 4 / world) + (root + block) * (compute_bytes + 4)
-    if mode == "deepspeed":
-        if config.deepspeed.zero_stage == 2:
-            return n * 2, n * 2
-        gathered = (root + FSDP_UNSHARDED_BLOCKS * block) * 2
-        return math.ceil(n * 2 / world) + gathered, math.ceil(n * 2 / world) + block * 2
     layout = StateLayout(args, world=world)
-    buffers = (config.slidedp.window_slots * layout.block_padded + layout.embed.padded
+    buffers = (s.window_slots * layout.block_padded + layout.embed.padded
                + layout.head.padded) * 2
     grads = SLIDEDP_GRAD_COPIES * (SLIDEDP_GRAD_BLOCKS * layout.block_padded
                                    + layout.head.padded) * 2
     receive = max(u.padded for u in layout.units) // world * 2
     training = config.training
     # The runtime style's routes and host layout (slidedp/peer_styles.py).
-    style = RUNTIME_STYLES[config.slidedp.runtime]
-    cfg = style.configure(config.slidedp)
+    style = RUNTIME_STYLES[s.runtime]
+    cfg = style.configure(s)
     cast = 0 if cfg.bf16_shadow or style.bf16_master else chunk_elems(cfg.chunk_mib) * 4
     deferred = updates_deferred(max_norm=training.max_norm, nonfinite=training.nonfinite,
                                 reduction=cfg.reduction)
@@ -370,73 +327,64 @@ def _resident_and_gradients(config, args: QwenArgs, *, world: int,
     # Held on the device, the reduced shards of a step wait there for their updates: at most
     # all of them (a unit's next gradient comes after its update), while activations are freed.
     waiting = layout.total // world * 2 if hold == "device" else 0
-    return buffers + grads + receive + cast, waiting
+    update = 0
+    if s.embedding_update == "gpu":  # this rank's shard of the FP32 master and moments, and
+        # the update's FP32 and BF16 gradient pieces (slidedp/gpu_update.py)
+        shard = layout.embed.padded // world
+        update = shard * 12 + min(shard, GPU_CHUNK) * (4 + 2)
+    return Footprint(resident=buffers + grads + receive + cast, gradients=waiting,
+                     policies=policies, compute_bytes=2, embedding_update=update)
 
 
 def estimate_device_memory(config, args: QwenArgs, *, world: int, kernels: Kernel = "torch",
                            block_bytes: Callable[[ActivationPolicy], float] | None = None,
                            rebuild_bytes: Callable[[ActivationPolicy], float] | None = None
                            ) -> MemoryEstimate:
-    """The estimate for `config` (a recipes.config.JobConfig) on `world` ranks computing with
-    `kernels` (what models/kernels.py resolves [model] kernels to on the device).
+    """SlideDP's estimate for `config` (a recipes.config.JobConfig) on `world` ranks computing
+    with `kernels` (what models/kernels.py resolves [model] kernels to on the device).
     `block_bytes(policy)`: one block's device bytes per token under `policy` where they were
     measured (the planner's, slidedp/plan/workload.py), instead of activation_bytes;
     `rebuild_bytes(policy)` likewise instead of rebuilt_bytes (AutoPolicy's program counts the
     rebuild apart)."""
-    training = config.training
-    compute_bytes = _compute_bytes(config)
+    return estimate_memory(slidedp_footprint(config, args, world=world), config.training, args,
+                           kernels=kernels, block_bytes=block_bytes, rebuild_bytes=rebuild_bytes)
+
+
+def estimate_memory(footprint: Footprint, training, args: QwenArgs, *, kernels: Kernel = "torch",
+                    block_bytes: Callable[[ActivationPolicy], float] | None = None,
+                    rebuild_bytes: Callable[[ActivationPolicy], float] | None = None
+                    ) -> MemoryEstimate:
+    """Any mode's estimate from its `footprint`: the activations its block policies keep for
+    one micro-batch of `training` (recipes.config.Training), the logits, and the embedding
+    update's later peak (module docstring)."""
+    compute_bytes = footprint.compute_bytes
     batch, seq = training.local_batch_size, training.seq_len
     tokens = batch * seq
-    policies = _policies(config, args.n_layers)
+    policies = footprint.policies
 
-    def per_block(policy: ActivationPolicy) -> float:
+    def per_block(policy) -> float:
         if block_bytes is not None:
             return block_bytes(policy)
         gpu, _ = activation_bytes(args, policy, compute_bytes=compute_bytes, kernels=kernels)
         return gpu.at(batch, seq) / tokens
 
-    def rebuilt(policy: ActivationPolicy) -> float:
+    def rebuilt(policy) -> float:
         if rebuild_bytes is not None:
             return rebuild_bytes(policy)
         return rebuilt_bytes(args, policy, compute_bytes=compute_bytes,
                              kernels=kernels).at(batch, seq) / tokens
 
-    def held(blocks: list[ActivationPolicy]) -> int:
+    def held(blocks: list) -> int:
         """Bytes while `blocks` are still to go through backward: what they keep, the largest
         rebuild (one block is in backward at a time), the stream outside the blocks."""
         per_token = (sum(per_block(p) for p in blocks) + max(rebuilt(p) for p in set(blocks))
                      + _stream_bytes_per_token(args, compute_bytes=compute_bytes))
         return math.ceil(tokens * per_token)
 
-    resident, gradients = _resident_and_gradients(config, args, world=world,
-                                                   compute_bytes=compute_bytes)
-    update = _embedding_update_bytes(config, args, world=world)
+    update, gradients = footprint.embedding_update, footprint.gradients
     prefetch_at = min(PREFETCH_AT_BLOCK, args.n_layers - 1)
     return MemoryEstimate(
-        resident=resident, gradients=gradients, activations=held(policies),
+        resident=footprint.resident, gradients=gradients, activations=held(policies),
         logits=(min(training.loss_chunk_tokens, tokens) * args.vocab_size * LOGITS_BYTES[kernels]
                 + args.vocab_size * args.dim * HEAD_GRAD_BYTES[kernels]),
         after_prefetch=update + max(gradients, held(policies[:prefetch_at + 1])) if update else 0)
-
-
-def _embedding_update_bytes(config, args: QwenArgs, *, world: int) -> int:
-    """slidedp.embedding_update = "gpu": this rank's shard of the embedding's FP32 master and
-    moments, and the update's FP32 and BF16 gradient pieces (slidedp/gpu_update.py); else 0."""
-    if config.parallelism.mode != "slidedp" or config.slidedp.embedding_update != "gpu":
-        return 0
-    shard = StateLayout(args, world=world).embed.padded // world
-    return shard * 12 + min(shard, GPU_CHUNK) * (4 + 2)
-
-
-def largest_fitting_batch(config, args: QwenArgs, *, world: int, capacity: int,
-                          kernels: Kernel = "torch") -> int:
-    """The largest training.local_batch_size whose estimate fits `capacity` (0 if none does)."""
-    def fits(batch: int) -> bool:
-        trial = replace(config, training=replace(config.training, local_batch_size=batch))
-        return estimate_device_memory(trial, args, world=world, kernels=kernels).total <= capacity
-
-    low, high = 0, config.training.local_batch_size  # fits(low) holds, or low == 0
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return low

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from models.args import QwenArgs
 from slidedp.activations import ActivationPolicy, block_policies
-from slidedp.host_state import HostStatePlan, host_state_regions
+from slidedp.host_state import HostStatePlan, host_state_regions, updates_deferred
 from slidedp.layout import StateLayout, chunk_elems
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.memory import MemoryEstimate, estimate_device_memory
@@ -67,7 +67,8 @@ def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, 
     return StepSpec(
         world=world, slots=s.window_slots, delivery=s.delivery, reduction=s.reduction,
         chunk_elems=chunk_elems(s.chunk_mib), bf16_shadow=s.bf16_shadow,
-        micro_batches=tr.grad_accum_steps, deferred=tr.max_norm > 0 or tr.nonfinite != "off",
+        micro_batches=tr.grad_accum_steps, deferred=updates_deferred(max_norm=tr.max_norm, nonfinite=tr.nonfinite,
+                                  reduction=s.reduction),
         grad_accum=state_plan(config).grad_accum, threads=threads_per_rank(config, rates, world),
         cores=rates.machine.cores, unit_elems=tuple(u.padded for u in layout.units),
         work=work.micro_batch(policies, batch), offload=tuple(p.offload for p in policies),

@@ -4,7 +4,7 @@ Machine rates, once per machine: pinned H2D and D2H per device with one device c
 every rank's device copying at once, the latency of one copy; with several ranks the
 all-gather and reduce-scatter of a block over the process group and their latency; on rank 0
 alone, CPU AdamW (the runtime's kernel), the host gradient sum and the FP32 -> BF16 cast by
-thread count, and host memory bandwidth (STREAM triad, slidedp/plan/stream.py). Model rates,
+thread count, and host memory bandwidth (STREAM triad, slidedp/plan/triad.py). Model rates,
 once per model and sequence length: on rank 0, one block of the model on the device (its
 kernels, BF16, random weights) timed forward and backward under each policy at the run's
 micro-batch (fewer sequences if it would not fit, then divided per sequence), the head with the
@@ -37,7 +37,7 @@ from slidedp.collectives import all_gather_single, reduce_scatter_single
 from slidedp.host_state import total_host_bytes
 from slidedp.plan.rates import (BlockTiming, Machine, Rates, cache_dir, cache_path, load_rates,
                                 model_key, this_host, timing_key)
-from slidedp.plan.stream import triad_gbs
+from slidedp.plan.triad import triad_gbs
 from slidedp.plan.workload import segment_flops
 
 PROBE_CPU_MAX_PARAMS = 2_000_000_000

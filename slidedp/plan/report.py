@@ -2,14 +2,20 @@
 (the predicted step, per-resource demand and busy time, the bottleneck and what would move it).
 The command line that prints it is recipes/plan.py (`python -m recipes.plan CONFIG`)."""
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 from typing import get_args
 
 from models.args import QwenArgs
 from slidedp.activations import KEEP, RECOMPUTE, format_blocks
+from slidedp.plan.ilp import solve
 from slidedp.plan.memory import REFUSE_ABOVE, estimate_device_memory
-from slidedp.plan.predict import RunPlan, plan_run
+from slidedp.peer_styles import RUNTIME_STYLES
+from slidedp.plan.policy_file import policy_settings, write_policy_file
+from slidedp.plan.predict import RunPlan, plan_run, policies_of
 from slidedp.plan.rates import Rates
+from slidedp.plan.search import (Model, Setting, assign, budgets, build_program, candidates_of,
+                                  screen, setting_of)
 from slidedp.plan.steptime import Schedule
 from slidedp.plan.workload import Workload
 
@@ -85,11 +91,14 @@ def format_step(plan: RunPlan) -> list[str]:
 
 
 def describe_run(job: Job, *, world: int, kernels: str) -> str:
-    tr, s = job.config.training, job.config.slidedp
+    # The routes and shadow the runtime style runs, not only the ones the config names.
+    tr, s = job.config.training, RUNTIME_STYLES[job.config.slidedp.runtime].configure(
+        job.config.slidedp)
     shadow = "bf16 shadow" if s.bf16_shadow else "FP32 cast on delivery"
     clip = ("updates deferred to the norm (clipping)" if tr.max_norm > 0 else
             "updates deferred to the norm (non-finite guard)" if tr.nonfinite != "off" else
-            "updates during backward")
+            "updates deferred to the end of backward (the locked route's one sum)"
+            if s.reduction == "locked" else "updates during backward")
     return (f"{job.flavor}: {job.args.num_params() / 1e9:.2f}B params, {job.args.n_layers} blocks; "
             f"{world} rank(s) x {tr.grad_accum_steps} x {tr.local_batch_size} x {tr.seq_len} "
             f"tokens; {s.delivery}/{s.reduction}, {s.window_slots} slots, chunk {s.chunk_mib:g} "
@@ -135,3 +144,46 @@ def _resident_mode_text(job: Job, rates: Rates, *, world: int, kernels: str) -> 
             f"compute alone (forward + backward, {config.activation_checkpoint.mode} checkpointing): "
             f"{seconds:.3f} s per step, {tokens / seconds:,.0f} tokens/s: a lower bound of this "
             f"mode's step (the step-time model simulates SlideDP; --parallelism.mode=slidedp plans it)"]
+
+
+def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]:
+    """`plan --search`: the model's best configuration for `job`, written to `out`."""
+    config, args = job.config, job.args
+    model = Model(config, args, job.flavor, kernels_for(config, rates), world, rates)
+    base = setting_of(config)
+    # The embedding's update on the GPU needs the gpu route.
+    reductions = ("gpu",) if config.slidedp.embedding_update == "gpu" else ("gpu", "cpu")
+    routes = ([(d, r) for d in ("sharded", "replicated") for r in reductions] if world > 1
+              else [(base.delivery, "gpu")])
+    slots = sorted({2, 3, 4, 6, base.window_slots})
+    settings = [Setting(d, r, n, base.chunk_mib, shadow)
+                for (d, r), n, shadow in itertools.product(routes, slots, (True, False))]
+    candidates = screen(model, [*candidates_of(config), *policies_of(config, args)])
+    options, choices, rebuild = build_program(model, settings, candidates)
+    gpu_budget, host_budget = budgets(model)
+    found = solve(options, choices, blocks=args.n_layers, ranks=world, gpu_budget=gpu_budget,
+                  host_budget=host_budget, rebuild_bytes=rebuild)
+    if found is None:
+        return ["search: no configuration fits the GPU and host memory budgets"]
+    policies = assign(found, args.n_layers)
+    best = Setting(**found.option.settings)
+    chunks = sorted({8.0, 32.0, 128.0, base.chunk_mib})
+    best = min((replace(best, chunk_mib=c) for c in chunks), key=lambda s: model.step_s(s, policies))
+    chosen = best.apply(config)
+    plan = plan_run(chosen, args, flavor=job.flavor, kernels=model.kernels, world=world,
+                    rates=rates, policies=policies)
+    now = model.step_s(base, policies_of(config, args))
+    settings_out = policy_settings(**{k: v for k, v in best.__dict__.items()}, policies=policies)
+    write_policy_file(out, settings_out, comments=[
+        f"chosen by `python -m recipes.plan --search` from the step-time model alone, on "
+        f"{rates.machine.name} ({rates.machine.source} rates), {world} rank(s)",
+        f"predicted step {plan.step.step_s:.3f} s against {now:.3f} s for the configuration "
+        f"searched from; not measured (AutoPolicy live measures: slidedp.autopolicy = true)"])
+    return ["search (the model alone, nothing measured):",
+            f"  screened {len(candidates)} candidate policies, {len(options)} options "
+            f"(routes x slots x shadow), then the chunk",
+            f"  choice: {best.describe()}; activations {format_blocks(policies)}",
+            f"  predicted {plan.step.step_s:.3f} s per step ({plan.step.tokens_per_s:,.0f} tokens/s) "
+            f"against {now:.3f} s now; {plan.step.regime}: {plan.step.why}",
+            *("  " + line for line in format_memory(plan, rates)),
+            f"  written to {out} (load it with --slidedp.policy_file={out})"]

@@ -35,8 +35,7 @@ SlideFormer's data parallelism (its published design, docs/DESIGN.md §4 of the 
 returns its full gradient, rank 0 alone sums and updates with every core, and the ranks meet at
 a barrier around every chunk of the return.
 
-Not modelled: GPU kernels slowed by copies and collectives running beside them (measured at
-about 1% of a step on 2xH200), the launch cost of the host threads, GPU memory pressure.
+Not modelled: GPU kernels slowed by copies and collectives running beside them, the launch cost of the host threads, GPU memory pressure.
 """
 
 from dataclasses import dataclass, field

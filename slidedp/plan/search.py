@@ -1,0 +1,244 @@
+"""AutoPolicy's search: the routes, chunk, slots, BF16 shadow and per-block activation
+policies of a run, chosen by the step-time model (Model), with what measuring adds to it.
+
+  screen: a candidate is dropped where another takes no more device and host bytes and a block
+     of it is faster on the GPU by more than SCREEN_TOLERANCE (closer ones are left to the
+     calibration: the probe cannot tell them apart);
+  calibrate: each remaining candidate on as many blocks of the real pipeline as the memory
+     budgets allow, measured against the configuration (by the caller's `measure`); what it
+     measured beyond the model, per block changed and whatever its sign, is the program's cost
+     of a block under it;
+  build_program, solve (slidedp/plan/ilp.py): the integer program over the settings and the
+     candidates under the GPU and host memory budgets.
+
+The live run of it, which measures, is slidedp/plan/live.py; the offline one (`python -m
+recipes.plan CONFIG --search`), from the model alone, is slidedp/plan/report.py's
+search_offline.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from models.args import QwenArgs
+from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policies, parse_policy
+from slidedp.host_state import host_state_bytes
+from slidedp.layout import StateLayout
+from slidedp.plan.ilp import Assignment, Choice, Option
+from slidedp.plan.memory import estimate_device_memory
+from slidedp.plan.policy_file import parse_candidates
+from slidedp.plan.predict import state_plan, step_spec, with_slidedp
+from slidedp.plan.rates import Rates
+from slidedp.plan.steptime import simulate_step, step_demands
+from slidedp.plan.workload import Workload
+
+
+_BASES = ("keep", "recompute", "selective", "ops(matmul+attention)", "segments(attention_core)",
+          "segments(qkv+qk_norm_rope+attention_core)", "segments(mlp_up)",
+          "segments(input_norm+qkv+qk_norm_rope+attention_core+o_proj)",
+          "segments(post_norm+mlp_up+down_proj)")
+CANDIDATES: tuple[ActivationPolicy, ...] = tuple(
+    parse_policy(f"{b}@offload={f}" if f else b) for b in _BASES for f in (0, 0.5, 1.0))
+"""The per-block policies screened by default: no recompute, full recompute, attention kept,
+every matmul kept, and segment masks (the attention core; the attention half up to it; the MLP's
+up projection; the attention half; the MLP half), each with 0, half or all of what it saves
+offloaded to host memory."""
+GPU_BUDGET_FRACTION = 0.9
+"""Of the device's memory, what the program may fill (the estimate is within -2%..+23%)."""
+HOST_BUDGET_FRACTION = 0.9
+"""Of the host's memory (MemAvailable when live), what the program may fill."""
+SCREEN_TOLERANCE = 0.03
+"""How much faster a probed block must be (relatively) to drop a candidate: the probe's noise
+(a median of 3 repetitions, often at fewer sequences than the run's, that put two policies 1%
+apart which the pipeline measured 2% apart)."""
+@dataclass(frozen=True)
+class Setting:
+    """One whole-run option."""
+
+    delivery: str
+    reduction: str
+    window_slots: int
+    chunk_mib: float
+    bf16_shadow: bool
+
+    def apply(self, config):
+        return with_slidedp(config, delivery=self.delivery, reduction=self.reduction,
+                            window_slots=self.window_slots, chunk_mib=self.chunk_mib,
+                            bf16_shadow=self.bf16_shadow)
+
+    def describe(self) -> str:
+        return (f"{self.delivery}/{self.reduction}, {self.window_slots} slots, chunk "
+                f"{self.chunk_mib:g} MiB, {'bf16 shadow' if self.bf16_shadow else 'no shadow'}")
+
+
+def setting_of(config) -> Setting:
+    s = config.slidedp
+    return Setting(s.delivery, s.reduction, s.window_slots, s.chunk_mib, s.bf16_shadow)
+
+
+@dataclass
+class Model:
+    """The step-time model of one run, for the program: the configuration, where it runs."""
+
+    config: object
+    args: QwenArgs
+    flavor: str
+    kernels: str
+    world: int
+    rates: Rates
+
+    @property
+    def work(self) -> Workload:
+        return Workload(self.rates, self.args, flavor=self.flavor, kernels=self.kernels,
+                        seq=self.config.training.seq_len)
+
+    def spec(self, setting: Setting, policies: list[ActivationPolicy]):
+        return step_spec(setting.apply(self.config), self.args, flavor=self.flavor,
+                         kernels=self.kernels, world=self.world, rates=self.rates,
+                         policies=policies)
+
+    def step_s(self, setting: Setting, policies: list[ActivationPolicy]) -> float:
+        return simulate_step(self.spec(setting, policies), self.rates).step_s
+
+    def fixed_bytes(self, setting: Setting) -> tuple[float, float]:
+        """Device and host bytes of `setting` without the blocks' activations: the program's
+        M_o and H_o."""
+        config = setting.apply(self.config)
+        gpu = estimate_device_memory(config, self.args, world=self.world, kernels=self.kernels,
+                                     block_bytes=lambda p: 0.0, rebuild_bytes=lambda p: 0.0)
+        return gpu.total, host_state_bytes(StateLayout(self.args, world=self.world),
+                                           state_plan(config))
+
+    def activation_bytes(self, policies: list[ActivationPolicy]) -> tuple[float, float]:
+        """Device bytes of the blocks' activations and of the largest rebuild, and host bytes
+        of the offloaded ones on every rank: the program's sum_p n_p g_p + z * rebuild and
+        ranks * sum_p n_p h_p."""
+        work, batch = self.work, self.config.training.local_batch_size
+        per = {p: work.activation_bytes(p, batch) for p in set(policies)}
+        rebuild = max((work.rebuilt_bytes(p, batch) for p in per if p != KEEP), default=0)
+        return (sum(per[p][0] for p in policies) + rebuild,
+                self.world * sum(per[p][1] for p in policies))
+
+    def block_gpu_s(self, policy: ActivationPolicy) -> float:
+        """GPU seconds a step of one block under `policy` (forward and backward, every
+        micro-batch)."""
+        tr = self.config.training
+        return sum(self.work.block(policy, tr.local_batch_size)) * tr.grad_accum_steps
+
+
+def screen(model: Model, candidates: list[ActivationPolicy]) -> list[ActivationPolicy]:
+    """The candidates no other beats: none takes no more device and host bytes while a block of
+    it (forward + backward) is faster on the GPU by more than SCREEN_TOLERANCE."""
+    work, batch = model.work, model.config.training.local_batch_size
+    score = {}
+    for p in dict.fromkeys(candidates):
+        gpu, host = work.activation_bytes(p, batch)
+        score[p] = (gpu, host, sum(work.block(p, batch)))
+
+    def beats(o: tuple, s: tuple) -> bool:
+        return o[0] <= s[0] and o[1] <= s[1] and o[2] < s[2] * (1 - SCREEN_TOLERANCE)
+
+    return [p for p, s in score.items() if not any(beats(o, s) for o in score.values())]
+
+
+def build_program(model: Model, settings: list[Setting], candidates: list[ActivationPolicy], *,
+                  step_correction: float = 0.0, block_correction: dict[str, float] | None = None
+                  ) -> tuple[list[Option], list[Choice], float]:
+    """The program's options (one per setting) and choices (one per candidate), and the bytes of
+    a rebuilt block. Demands come from the model's step accounting: each option's with every
+    block under recompute, each choice's as its difference from recompute per block (so the
+    demands add up exactly for any mix). The calibration: `step_correction` (measured less
+    modelled step) is added to every option's residual, `block_correction[name]` (measured less
+    modelled, per block) is a choice's residual."""
+    L, rates = model.args.n_layers, model.rates
+    work, batch = model.work, model.config.training.local_batch_size
+    ref = [RECOMPUTE] * L
+    options = []
+    for setting in settings:
+        step = simulate_step(model.spec(setting, ref), rates)
+        gpu, host = model.fixed_bytes(setting)
+        options.append(Option(name=setting.describe(), settings=setting.__dict__,
+                              demand=dict(step.demand_s),
+                              residual=step.step_s - step.bound_s + step_correction,
+                              gpu_bytes=gpu, host_bytes=host))
+    reference = step_demands(model.spec(settings[0], ref), rates)
+    choices = []
+    for p in candidates:
+        d = step_demands(model.spec(settings[0], [p] * L), rates)
+        gpu, host = work.activation_bytes(p, batch)
+        choices.append(Choice(name=p.name, demand={r: (d[r] - reference[r]) / L for r in d},
+                              gpu_bytes=gpu, host_bytes=host, rebuilds=p != KEEP,
+                              residual=(block_correction or {}).get(p.name, 0.0)))
+    # z * rebuild in the program: the most any candidate's block holds in backward (z = 1 as
+    # soon as one rebuilds), so the program is never short of what the estimate counts.
+    rebuild = max((work.rebuilt_bytes(p, batch) for p in candidates if p != KEEP), default=0)
+    return options, choices, rebuild
+
+
+def assign(assignment: Assignment, n_blocks: int) -> list[ActivationPolicy]:
+    """Per-block policies for the program's counts: the ones that keep most first (the way
+    keep_blocks puts kept blocks first; where a block sits does not change the peak)."""
+    policies = [parse_policy(name) for name in assignment.counts]
+    order = sorted(policies, key=lambda p: (p.base != "keep", p.offload, p.name))
+    out = [p for p in order for _ in range(assignment.counts[p.name])]
+    assert len(out) == n_blocks
+    return out
+
+
+def budgets(model: Model, *, host_available: float | None = None) -> tuple[float, float]:
+    gpu = model.rates.machine.device_memory_gib * 2**30 * GPU_BUDGET_FRACTION or float("inf")
+    host = (host_available or model.rates.machine.host_memory_gib * 2**30) * HOST_BUDGET_FRACTION
+    return gpu, host
+
+
+def candidates_of(config) -> list[ActivationPolicy]:
+    """slidedp.autopolicy_candidates, or CANDIDATES."""
+    chosen = parse_candidates(config.slidedp.autopolicy_candidates)
+    return chosen or list(CANDIDATES)
+
+
+def calibrate(model: Model, setting: Setting, policies: list[ActivationPolicy],
+              shortlist: list[ActivationPolicy], *, ref: float,
+              measure: Callable[[list[ActivationPolicy], str], float], gpu_budget: float,
+              host_budget: float) -> dict[str, float]:
+    """Stage 5: each candidate of `shortlist` on as many blocks as fit (`measure(trial, what)`:
+    the step time of `setting` with the per-block policies `trial`), against `ref`, the
+    measured step of `policies`; returns build_program's `block_correction`."""
+    modelled_ref = model.step_s(setting, policies)
+    correction = {}
+    for p in shortlist:
+        trial = _calibration_trial(model, setting, p, policies, gpu_budget=gpu_budget,
+                                   host_budget=host_budget)
+        changed = sum(a != b for a, b in zip(trial, policies))
+        if not changed:
+            continue
+        t = measure(trial, f"calibration: {p.name} on {changed} blocks")
+        # What the measurement says a block under p costs beyond what the model says, whatever
+        # the sign: the program then reproduces this measurement, as the step correction makes
+        # it reproduce the configuration's. Bounded by the block's GPU time only: the model
+        # cannot be off on one block by more than all its work (beyond that the steps caught
+        # something else, a first use or another process; validation measures again).
+        error = ((t - ref) - (model.step_s(setting, trial) - modelled_ref)) / changed
+        bound = model.block_gpu_s(p)
+        correction[p.name] = min(bound, max(-bound, error))
+    return correction
+
+
+def _calibration_trial(model: Model, setting: Setting, candidate: ActivationPolicy,
+                       policies: list[ActivationPolicy], *, gpu_budget: float,
+                       host_budget: float) -> list[ActivationPolicy]:
+    """`policies` with `candidate` on as many blocks from the first as fit the budgets by the
+    program's accounting (all of them where it fits): the more blocks change, the further the
+    measured difference stands out of the steps' noise and the less the program extrapolates
+    it (`policies` itself where not one block fits)."""
+    gpu, host = model.fixed_bytes(setting)
+    for k in range(len(policies), 0, -1):
+        trial = [candidate] * k + policies[k:]
+        g, h = model.activation_bytes(trial)
+        if gpu + g <= gpu_budget and host + h <= host_budget:
+            return trial
+    return policies
+
+
+def policies_from(blocks: str, n: int) -> list[ActivationPolicy]:
+    """The policies format_blocks wrote (every block named)."""
+    return block_policies(n, default="recompute", blocks=blocks)

@@ -1,0 +1,179 @@
+"""The benchmark suites' runner (recipes/bench/suite.py) on the CPU, in real processes: a suite
+on the debug model writes its rows and the headline table, the peer-peak step relaunches the
+sweep's fastest point, a failing correctness stage measures nothing, a launch past its limit is
+killed (every descendant too) and the suite goes on, and every shipped suite file parses and
+prints its commands."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from recipes.bench import suite
+from tests.conftest import REPO, subprocess_env
+
+CPU = "--kernels torch --flavor qwen3-debug --seq 64 --warmup 0 --steps 1 --no-memory-check"
+"""--extra: any bench launch of a suite on the CPU debug model."""
+
+
+def _runner(tmp_path: Path, *args: str, correctness: Path | None = None, env=None,
+            timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python -m recipes.bench.suite OUT ARGS` on one rank, its gate `correctness` (default: a
+    check that passes at once; the shipped gate is a pytest run of GPU tests)."""
+    if correctness is None:
+        correctness = tmp_path / "gate.toml"
+        correctness.write_text('[[workload]]\nname = "ok"\ncode = "print(\'1 passed\')"\n')
+    cmd = [sys.executable, "-m", "recipes.bench.suite", str(tmp_path / "out"), *args,
+           "--ngpu", "1", "--correctness", str(correctness)]
+    return subprocess.run(cmd, cwd=REPO, env=env or subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _suite(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_a_sweep_then_its_fastest_point_relaunched_gives_rows_of_every_launch(tmp_path):
+    """A peer-peak workload on the debug model: one sweep launch over two batches (launch 1),
+    then the fastest of its rows launched once more (launch 2); the rows are valid and the
+    headline table gives that point 2 launches."""
+    tiny = _suite(tmp_path / "tiny.toml", """
+        description = "a sweep and its peak"
+        [[workload]]
+        name = "sweep"
+        flags = "--mode fsdp2 --ac none --label sweep --batches 1,2"
+        launches = 1
+        peak = {launches = 2}
+        """)
+    proc = _runner(tmp_path, str(tiny), "--extra", CPU)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "out/runs.jsonl").read_text().splitlines()]
+    assert all(r["valid"] and r["flavor"] == "qwen3-debug" for r in rows)
+    assert [r["launch"] for r in rows] == [1, 1, 2]
+    fastest = max(rows[:2], key=lambda r: r["tokens_per_s"])["local_batch"]
+    assert rows[2]["local_batch"] == fastest
+    assert f"the fastest point is --ac none --batches {fastest}" in proc.stdout
+    assert "[suite] tiny/sweep peak launch 2: rc 0" in proc.stdout
+    table = proc.stdout[proc.stdout.index("| mode | label |"):]
+    at_peak = next(line for line in table.splitlines() if f"| none | {fastest} |" in line)
+    assert "| 2 |" in at_peak
+    assert sorted(p.name for p in (tmp_path / "out/logs").iterdir()) == [
+        "001_tiny_sweep_launch_1.log", "002_tiny_sweep_peak_launch_2.log"]
+
+
+def test_a_failing_correctness_stage_measures_nothing(tmp_path):
+    failing = tmp_path / "test_fails.py"
+    failing.write_text("def test_fails():\n    assert False\n")
+    gate = _suite(tmp_path / "gate.toml", f"""
+        [[workload]]
+        name = "pytest"
+        module = "pytest"
+        flags = ["-q", "-p", "no:cacheprovider", "{failing}"]
+        limit = 60
+        """)
+    proc = _runner(tmp_path, "fsdp2_peak_4b", correctness=gate)
+    assert proc.returncode == 1
+    assert "nothing measured" in proc.stdout and "1 failed" in proc.stdout
+    assert "1 failed" in (tmp_path / "out/correctness.log").read_text()
+    assert not (tmp_path / "out/runs.jsonl").exists() and not (tmp_path / "out/logs").exists()
+    assert "=== fsdp2_peak_4b" not in proc.stdout
+
+
+def test_a_launch_past_its_limit_is_killed_with_its_descendants_and_the_suite_goes_on(tmp_path):
+    """The first launch starts a child in a session of its own (as torchrun starts its
+    workers), then sleeps past its 1 s limit: both are killed, the runner settles and runs the
+    next workloads, and exits 1 for the killed launch. A `largest` workload stops at the first
+    batch that runs; the one that failed before it is no failure."""
+    child = tmp_path / "child.pid"
+    (tmp_path / "sleeper.py").write_text(textwrap.dedent(f"""
+        import subprocess, time
+        c = subprocess.Popen(["sleep", "120"], start_new_session=True)
+        open({str(child)!r}, "w").write(str(c.pid))
+        time.sleep(120)
+        """))
+    slow = _suite(tmp_path / "slow.toml", """
+        [[workload]]
+        name = "sleeps"
+        module = "sleeper"
+        limit = 1
+        [[workload]]
+        name = "after"
+        code = "print('ran after the kill')"
+        show = true
+        [[workload]]
+        name = "fits"
+        code = "import sys; sys.exit(sys.argv[-1] == '32')"
+        largest = [32, 28, 24]
+        """)
+    env = dict(subprocess_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    proc = _runner(tmp_path, str(slow), env=env, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "[suite] slow/sleeps: rc 124" in proc.stdout and "killed at its 1 s limit" in proc.stdout
+    assert "settled after" in proc.stdout and "ran after the kill" in proc.stdout
+    assert not _alive(int(child.read_text()))
+    assert "fits batch 32: rc 1" in proc.stdout and "fits batch 28: rc 0" in proc.stdout
+    assert "batch 24" not in proc.stdout
+    assert "4 launches, 1 failed" in proc.stdout
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed and not yet reaped by its new parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+SHIPPED = sorted(p.stem for p in suite.SUITES.glob("*.toml"))
+
+
+def test_every_shipped_suite_parses_and_prints_its_commands(tmp_path):
+    """--dry-run of every suite file, on the largest machine kind: each prints its commands
+    (the correctness stage's first) and runs nothing."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.bench.suite", str(tmp_path / "out"), *SHIPPED, "--dry-run",
+         "--ngpu", "8", "--set", "predicted=predicted.jsonl", "--set", "ds_wheels=/wheels",
+         "--extra", CPU],
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    sections = out.split("\n=== ")[1:]
+    named = {s.split()[0]: s for s in sections}
+    assert sections[0].startswith("correctness") and "tests/test_gpu_options.py" in sections[0]
+    assert set(SHIPPED) - {"correctness"} <= set(named)
+    for name, text in named.items():
+        if name != "done":
+            assert "python" in text or "skipped" in text, name
+    assert "skipped, needs" not in out  # 8 ranks: every launch of every suite is printed
+    assert "--launch 3" in named["headline_4b"] and "--nproc_per_node=2" in named["multi_gpu_8b"]
+    assert all(f"--batches {b}" in named["strong_scaling_14b"] for b in (32, 64))
+    assert named["million_tokens"].count("recipes.bench.throughput") == 1  # the first that fits
+    assert "castcopy_x8.json" in named["cast_copy"]
+    assert "PYTORCH_CUDA_ALLOC_CONF" in named["long_context"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, error", [
+    ('[[workload]]\nname = "a"\nflags = "--points ${nowhere}"\n', "${nowhere} is not set"),
+    ('[[workload]]\nname = "a"\nlimits = 3\n', "unknown key 'limits'"),
+    ('[[workload]]\nflags = "--mode fsdp2"\n', "no name"),
+])
+def test_a_suite_that_cannot_run_as_written_is_refused_before_anything_runs(tmp_path, text, error):
+    bad = _suite(tmp_path / "bad.toml", text)
+    with pytest.raises(suite.SuiteError, match=error.replace("$", r"\$").replace("{", r"\{")):
+        suite.load_suite(str(bad), {}, {"out": "o", "repo": REPO, "ngpu": 1})
+
+
+def test_set_overrides_a_suites_variables_and_its_deadline():
+    sets = suite.parse_sets(["weak_scaling_32b.gpus=[8, 4]", "seconds=100", "predicted=p.jsonl"])
+    builtins = {"out": "o", "repo": REPO, "ngpu": 8}
+    weak = suite.load_suite("weak_scaling_32b", sets, builtins)
+    assert weak.workloads[0]["ngpu"] == [8, 4] and weak.seconds == 100
+    assert suite.load_suite("cast_copy", sets, builtins).workloads[0]["ngpu"] == [1, 2, 4, 8]
+    long = suite.load_suite("long_context", suite.parse_sets(["flavor=qwen3-4B"]), builtins)
+    assert "--out o/attention_qwen3-4B_262k.jsonl" in long.workloads[0]["flags"]
