@@ -81,9 +81,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 def prune(save_dir: str, *, keep: int) -> list[Path]:
     """Delete what saves cut short left and, with keep > 0, the complete saves older than the
-    newest `keep` (so never the newest); returns the deleted paths. Rank 0, no save in flight.
-    A complete save is first renamed: a crash while deleting never leaves a half-deleted
-    directory that still looks complete."""
+    newest `keep` (so never the newest); returns the deleted paths. Rank 0, no save in flight."""
     complete = _complete_saves(save_dir)
     doomed = [e for e in Path(save_dir).glob("step-*") if _LEFTOVER.fullmatch(e.name)
               or (_STEP_DIR.fullmatch(e.name) and e not in complete.values())]
@@ -91,10 +89,26 @@ def prune(save_dir: str, *, keep: int) -> list[Path]:
         shutil.rmtree(entry, ignore_errors=True)
     old = [complete[step] for step in sorted(complete)[:-keep]] if keep else []
     for entry in old:
-        trash = entry.with_name(entry.name + ".deleting")
-        entry.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        _delete_complete(entry)
     return doomed + old
+
+
+def remove_saves(save_dir: str) -> list[Path]:
+    """Every save in `save_dir`, complete or cut short (job.overwrite: a new run replaces the
+    folder's earlier run, whose saves `latest` would otherwise still name); returns them."""
+    removed = prune(save_dir, keep=0)
+    for entry in _complete_saves(save_dir).values():
+        _delete_complete(entry)
+        removed.append(entry)
+    return removed
+
+
+def _delete_complete(entry: Path) -> None:
+    """Renamed first: a crash while deleting never leaves a half-deleted directory that still
+    looks complete."""
+    trash = entry.with_name(entry.name + ".deleting")
+    entry.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 class NonFiniteWeights(NonFiniteStop):

@@ -45,6 +45,9 @@ class Job:
     """Folder for metrics.jsonl and TensorBoard events."""
     description: str = ""
     """Free-text description of the run, printed at start."""
+    overwrite: bool = False
+    """Let a new run (not a resume) replace an earlier run's metrics.jsonl and saves in these
+    folders; without it such a run is refused."""
 
 
 @dataclass

@@ -285,6 +285,26 @@ def _check_writable(key: str, directory: str) -> None:
         raise ConfigError(f"{key}: cannot write to {directory} ({e.strerror or e})") from None
 
 
+def check_no_earlier_run(config: JobConfig) -> None:
+    """A new run where an earlier one left its records or saves would replace its metrics and
+    mix its saves with the earlier ones (`latest` could then name the earlier run's): refused,
+    naming what is there and the ways on. The caller holds the folders' locks, so no live run
+    is writing them (that is FolderInUse's error)."""
+    found = []
+    metrics = Path(config.job.dump_folder) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append(f"{metrics}")
+    if config.checkpoint.save_dir:
+        saves = sorted(p.name for p in Path(config.checkpoint.save_dir).glob("step-*"))
+        if saves:
+            found.append(f"{len(saves)} save(s) in {config.checkpoint.save_dir} "
+                         f"({', '.join(saves[:3])}{', ...' if len(saves) > 3 else ''})")
+    if found:
+        raise ConfigError(f"an earlier run is in these folders ({'; '.join(found)}): resume it "
+                          "with --checkpoint.resume_from=latest, use another --job.dump_folder "
+                          "(and checkpoint.save_dir), or replace it with --job.overwrite")
+
+
 def check_run(config: JobConfig, *, world: int, device: torch.device,
               thorough: bool) -> CheckedRun:
     """Every check, cheapest first; the output folders are created last. `thorough`: also load

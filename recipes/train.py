@@ -27,7 +27,7 @@ from models.args import QwenArgs
 from models.flavors import PUBLISHED_BILLIONS
 from models.loss import IGNORE_INDEX
 from protocols.backend import Batch, StepResult, TrainBackend
-from recipes.checkpoint import TRAIN_STATE, CheckpointSaver, HFExport, read_meta
+from recipes.checkpoint import TRAIN_STATE, CheckpointSaver, HFExport, read_meta, remove_saves
 from recipes.config import ConfigError, JobConfig, parse_config
 from recipes.liveness import exit_with_launcher, watching_peers
 from recipes.lr_schedule import LRSchedule
@@ -35,7 +35,8 @@ from recipes.metrics import MetricsLogger, gpu_name, memory, new_run_name, throu
 from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.model import build_kernels
 from recipes.parallelize import build_backend
-from recipes.preflight import CheckedRun, check_run, data_error, load_checked_tokenizer
+from recipes.preflight import (CheckedRun, check_no_earlier_run, check_run, data_error,
+                               load_checked_tokenizer)
 from recipes.run_lock import FolderInUse, lock_run_folders
 
 logger = logging.getLogger("recipes")
@@ -240,22 +241,28 @@ def _init_distributed(config: JobConfig, device: torch.device, *, world: int) ->
                                 device_id=device_id)
 
 
-def _lock_run_folders(config: JobConfig, *, rank: int) -> list:
-    """Rank 0 locks the run's folders before anything is written; with a process group every
-    rank then raises the same one-line FolderInUse if another run holds one."""
-    locks, error = [], ""
+def _lock_run_folders(config: JobConfig, *, rank: int, resuming: bool) -> list:
+    """Rank 0 locks the run's folders before anything is written, then, for a new run, checks
+    that no earlier run left records or saves there (unless job.overwrite); with a process group
+    every rank then raises the same one-line ConfigError (FolderInUse if another run holds a
+    folder)."""
+    locks, error, in_use = [], "", False
     if rank == 0:
         try:
             locks = lock_run_folders({"job.dump_folder": config.job.dump_folder,
                                       "checkpoint.save_dir": config.checkpoint.save_dir})
+            if not resuming and not config.job.overwrite:
+                check_no_earlier_run(config)
         except ConfigError as e:
-            error = str(e)
+            error, in_use = str(e), isinstance(e, FolderInUse)
     if dist.is_initialized():
-        box = [error]
+        box = [error, in_use]
         dist.broadcast_object_list(box, src=0)
-        error = box[0]
+        error, in_use = box
     if error:
-        raise FolderInUse(error)
+        for lock in locks:
+            lock.close()
+        raise FolderInUse(error) if in_use else ConfigError(error)
     return locks
 
 
@@ -288,7 +295,13 @@ def train(config: JobConfig) -> None:
     if config.parallelism.mode != "single":
         _init_distributed(config, device, world=world)
     try:
-        locks = _lock_run_folders(config, rank=rank)  # held until they are closed at exit
+        locks = _lock_run_folders(config, rank=rank,  # held until they are closed at exit
+                                  resuming=checked.resume_dir is not None)
+        if (rank == 0 and config.job.overwrite and checked.resume_dir is None
+                and config.checkpoint.save_dir):
+            for path in remove_saves(config.checkpoint.save_dir):
+                logger.info("deleted %s (job.overwrite: a save of the run this one replaces)",
+                            path)
         with watching_peers(rank=rank, world=world, expected=(ConfigError, NonFiniteStop)):
             _run(config, checked, rank=rank, world=world, device=device)
         for lock in locks:

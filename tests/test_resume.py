@@ -233,3 +233,29 @@ def test_synthetic_batches_resume_at_their_position():
     for (x, y), (rx, ry) in zip(drawn[3:], resumed):
         assert torch.equal(x, rx) and torch.equal(y, ry)
     assert source.state_dict() == {"micro_batches": 5}
+
+
+def test_a_new_run_in_a_used_folder_is_refused_unless_it_overwrites(tmp_path):
+    """A second run (not a resume) into an earlier run's folders is refused with one line and
+    touches nothing; with job.overwrite it replaces the earlier run: its records and every save,
+    so that `latest` is the new run's."""
+    out = tmp_path / "run"
+    folders = [f"--job.dump_folder={out}", f"--checkpoint.save_dir={out}/hf",
+               "--checkpoint.interval=2"]
+    first = launch("--training.steps=4", *folders)
+    assert first.returncode == 0, first.stderr[-3000:]
+    records = (out / "metrics.jsonl").read_bytes()
+    again = launch("--training.steps=2", "--training.seed=5", *folders)
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"error: an earlier run is in these folders ({out}/metrics.jsonl; 2 save(s) in "
+        f"{out}/hf (step-2, step-4)): resume it with --checkpoint.resume_from=latest, use "
+        "another --job.dump_folder (and checkpoint.save_dir), or replace it with --job.overwrite")
+    assert (out / "metrics.jsonl").read_bytes() == records
+    assert latest_checkpoint(str(out / "hf")) == out / "hf" / "step-4"
+    replaced = launch("--training.steps=2", "--training.seed=5", "--job.overwrite", *folders)
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert f"deleted {out}/hf/step-4 (job.overwrite" in replaced.stderr
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()] == [1, 2]
+    assert sorted(p.name for p in (out / "hf").glob("step-*")) == ["step-2"]
+    assert json.loads((out / "hf" / "step-2" / TRAIN_STATE / META_FILE).read_text())["seed"] == 5
