@@ -351,7 +351,9 @@ class _ShardWriter:
         return self.out / f"shard-{i:05d}.partial"
 
     def _flush(self) -> None:
-        save_file(self.pending, self._partial(len(self.shard_keys)), metadata={"format": "pt"})
+        path = self._partial(len(self.shard_keys))
+        save_file(self.pending, path, metadata={"format": "pt"})
+        path.chmod(_new_file_mode())  # safetensors creates it 0o600, unlike the other files
         self.shard_keys.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
@@ -410,6 +412,18 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
         shutil.copy2(src / name, dst / name)
     if not copied:
         logger.warning("no tokenizer files in %s; the saved model has none", src)
+
+
+def _new_file_mode() -> int:
+    """The mode open() gives a new file here: 0o666 less the process's umask (read from
+    /proc, as os.umask can only be read by setting it, which other threads would see)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o644
 
 
 def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], args: QwenArgs,

@@ -141,22 +141,35 @@ def _check_data(config: JobConfig, *, thorough: bool) -> None:
 
 
 def run_meta(config: JobConfig, name: str, args: QwenArgs, *, world: int) -> dict[str, Any]:
-    """What a resumed run must share with the saved one."""
+    """What a resumed run must share with the saved one. `global_batch` (samples per step) is
+    compared only where the save recorded it (saves from before it was recorded resume too)."""
+    tr = config.training
     return {"mode": config.parallelism.mode, "world_size": world, "flavor": name,
-            "num_params": args.num_params(), "seed": config.training.seed}
+            "num_params": args.num_params(), "seed": tr.seed,
+            "global_batch": tr.local_batch_size * tr.grad_accum_steps * world}
 
 
-def check_resumable(directory: Path, *, meta: dict[str, Any]) -> None:
-    """The saved run has this run's shape."""
+def check_resumable(directory: Path, *, meta: dict[str, Any], steps: int) -> None:
+    """The saved run has this run's shape, and has steps left to train (`steps`:
+    training.steps)."""
     try:
         saved = read_meta(directory)
     except (OSError, ValueError) as e:
         raise ConfigError(f"checkpoint.resume_from: {directory}: unreadable meta.json "
                           f"({e})") from None
     for key, value in {"format_version": FORMAT_VERSION, **meta}.items():
+        if key == "global_batch" and key not in saved:
+            continue
         if saved.get(key) != value:
+            hint = (" (samples per step: training.local_batch_size x grad_accum_steps x ranks; "
+                    "another global batch changes the run)" if key == "global_batch" else "")
             raise ConfigError(f"checkpoint.resume_from: {directory} was saved with {key} = "
-                              f"{saved.get(key)!r}, this run has {value!r}; resume with the same")
+                              f"{saved.get(key)!r}, this run has {value!r}{hint}; resume with "
+                              "the same")
+    if saved.get("step", 0) >= steps:
+        raise ConfigError(f"checkpoint.resume_from: {directory} is at step {saved['step']}, "
+                          f"training.steps is {steps}: nothing is left to train (raise "
+                          "training.steps to train on)")
 
 
 def device_memory(config: JobConfig, args: QwenArgs, *, world: int,
@@ -324,7 +337,7 @@ def check_run(config: JobConfig, *, world: int, device: torch.device,
     meta = run_meta(config, name, args, world=world)
     resume_dir = resolve_resume_dir(config.checkpoint) if config.checkpoint.resume_from else None
     if resume_dir is not None:
-        check_resumable(resume_dir, meta=meta)
+        check_resumable(resume_dir, meta=meta, steps=config.training.steps)
     _check_memory(config, args, world=world, device=device)
     _check_writable("job.dump_folder", config.job.dump_folder)
     if config.checkpoint.save_dir:

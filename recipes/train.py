@@ -338,6 +338,10 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
     if config.parallelism.mode == "slidedp" and config.slidedp.autopolicy:
         _autopolicy(config, checked, backend, rank=rank, world=world, device=device)
     schedule = build_lr_schedule(config)
+    if config.lr_scheduler.warmup_steps >= training.steps:
+        logger.warning("lr_scheduler.warmup_steps = %d is not below training.steps = %d: the "
+                       "learning rate never reaches optimizer.lr (%g)",
+                       config.lr_scheduler.warmup_steps, training.steps, config.optimizer.lr)
     metrics = MetricsLogger(config.job.dump_folder, enabled=rank == 0,
                             log_freq=config.metrics.log_freq, total_steps=training.steps,
                             jsonl=config.metrics.jsonl,

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,21 @@ def test_sharded_layout(tmp_path: Path, flavor: str) -> None:
     for file in tmp_path.glob("*.safetensors"):
         with safe_open(file, framework="pt") as f:
             assert f.metadata() == {"format": "pt"}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_every_file_gets_the_mode_of_a_new_file(tmp_path: Path, umask: int) -> None:
+    """The weights as readable as the config beside them (safetensors alone would make them
+    0o600): every file 0o666 less the umask, in one file or in shards."""
+    src = make_model("qwen3-debug")
+    old = os.umask(umask)
+    try:
+        for out, shard in ((tmp_path / "one", 5 * 2**30), (tmp_path / "shards", 64 * 1024)):
+            save_hf_checkpoint(src.named_parameters(), src.args, out, max_shard_bytes=shard)
+            modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+            assert len(modes) > 1 and set(modes.values()) == {0o666 & ~umask}, modes
+    finally:
+        os.umask(old)
 
 
 def test_single_file_layout(tmp_path: Path) -> None:

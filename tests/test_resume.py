@@ -242,9 +242,21 @@ def test_a_new_run_in_a_used_folder_is_refused_unless_it_overwrites(tmp_path):
     out = tmp_path / "run"
     folders = [f"--job.dump_folder={out}", f"--checkpoint.save_dir={out}/hf",
                "--checkpoint.interval=2"]
-    first = launch("--training.steps=4", *folders)
+    first = launch("--training.steps=4", "--lr_scheduler.warmup_steps=4", *folders)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert ("lr_scheduler.warmup_steps = 4 is not below training.steps = 4: the learning rate "
+            "never reaches optimizer.lr") in first.stderr
     records = (out / "metrics.jsonl").read_bytes()
+    # Resumes that cannot continue it: a finished run, another global batch.
+    finished = launch("--training.steps=4", "--checkpoint.resume_from=latest", *folders)
+    assert finished.returncode == 2 and finished.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint.resume_from: {out}/hf/step-4 is at step 4, training.steps is 4: "
+        "nothing is left to train (raise training.steps to train on)")
+    other_batch = launch("--training.steps=4", f"--checkpoint.resume_from={out}/hf/step-2",
+                         "--training.local_batch_size=4", *folders)
+    assert other_batch.returncode == 2
+    assert (f"{out}/hf/step-2 was saved with global_batch = 8, this run has 4 (samples per "
+            "step") in other_batch.stderr.strip().splitlines()[-1]
     again = launch("--training.steps=2", "--training.seed=5", *folders)
     assert again.returncode == 2
     assert again.stderr.strip().splitlines()[-1] == (
