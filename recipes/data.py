@@ -294,8 +294,9 @@ def epoch_permutation(*, seed: int, epoch: int, num_docs: int) -> torch.Tensor:
 class PackedStream:
     """Read head over the infinite concatenation of epochs of shuffled documents."""
 
-    def __init__(self, corpus: TokenizedCorpus, *, seed: int) -> None:
-        self.corpus, self.seed = corpus, seed
+    def __init__(self, corpus: TokenizedCorpus, *, seed: int, log_epochs: bool = True) -> None:
+        """`log_epochs`: log each epoch's start (off where epochs are shorter than a step)."""
+        self.corpus, self.seed, self.log_epochs = corpus, seed, log_epochs
         # The next token is at `offset` inside document order[cursor] of `epoch`.
         self.epoch, self.cursor, self.offset = 0, 0, 0
         self._order = self._permutation(0)
@@ -310,8 +311,9 @@ class PackedStream:
 
     def _next_epoch(self) -> None:
         self.seek(epoch=self.epoch + 1, cursor=0, offset=0)
-        logger.info("data: epoch %d begins (%d documents, %d tokens)",
-                    self.epoch, self.corpus.num_docs, self.corpus.num_tokens)
+        if self.log_epochs:
+            logger.info("data: epoch %d begins (%d documents, %d tokens)",
+                        self.epoch, self.corpus.num_docs, self.corpus.num_tokens)
 
     def _advance(self, n: int, *, collect: bool) -> list[tuple[int, int]]:
         """Move n tokens ahead; returns the (start, end) corpus ranges passed when collecting."""
@@ -365,7 +367,16 @@ class PackedDataLoader:
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.dp_rank, self.dp_world, self.seed = dp_rank, dp_world, seed
         self.corpus = tokenize_corpus(read_documents(paths), tokenizer, eos_id=eos_id)
-        self.stream = PackedStream(self.corpus, seed=seed)
+        tokens, sample = self.corpus.num_tokens, seq_len + 1
+        if tokens < sample:
+            raise DataError(f"{paths}: {tokens:,} tokens, fewer than one sample of seq_len + 1 = "
+                            f"{sample:,}: use more data or a smaller training.seq_len")
+        step = sample * local_batch_size * dp_world
+        if tokens < step:  # said once, not at each of the many epochs a step then spans
+            logger.warning("data: %s holds %d tokens, fewer than one step's %d (%d samples of "
+                           "%d): every step reads it more than once", paths, tokens, step,
+                           local_batch_size * dp_world, sample)
+        self.stream = PackedStream(self.corpus, seed=seed, log_epochs=tokens >= step)
         self.sample = 0  # global index of the next sample: the first of the next global step
         target_share = self.corpus.targets.count_nonzero().item() / self.corpus.num_tokens
         logger.info("data: %d documents, %d tokens (%.0f%% targets) from %s",

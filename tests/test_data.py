@@ -234,3 +234,20 @@ def test_committed_assets_match_generator(tmp_path):
     for name in generated:
         assert same_asset(tmp_path / name, TINY / name), f"{name} is stale: run make_assets.py"
     assert sum(p.stat().st_size for p in TINY.iterdir()) < 1 << 20
+
+
+def test_a_corpus_smaller_than_a_sample_is_refused_and_one_smaller_than_a_step_said_once(
+        tok, tmp_path, caplog):
+    """Fewer tokens than one sample: refused, naming both counts. Fewer than one step's: one
+    warning, and no line for each of the epochs every step then spans."""
+    (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "doc one two"}) + "\n")
+    with pytest.raises(DataError, match=r"tiny.jsonl: \d+ tokens, fewer than one sample of "
+                                        r"seq_len \+ 1 = 65: use more data"):
+        make_loader(tok, tmp_path / "tiny.jsonl", seq_len=64)
+    with caplog.at_level("INFO", logger="recipes.data"):
+        loader = make_loader(tok, tmp_path / "tiny.jsonl", seq_len=2, local_batch_size=8)
+        take(loader, 3)
+    assert loader.epoch > 3
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("fewer than one step's" in m for m in said) == 1, said
+    assert not any("begins" in m for m in said), said
