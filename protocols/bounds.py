@@ -5,6 +5,7 @@ parses the command line, ignores the marker."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, get_type_hints
 
 
 @dataclass(frozen=True)
@@ -32,3 +33,20 @@ def within(low: float, high: float, *, high_open: bool = False, low_open: bool =
 
 UNSET_OR_AT_LEAST_1 = Bound(lambda v: v == 0 or v >= 1, "0 (the model's) or >= 1")
 """A scaling factor: 0 takes the model's own."""
+
+
+def bound_error(key: str, value: float, annotation: Any) -> str | None:
+    """What `value` breaks of the Bound markers on `annotation` (a field's Annotated type), said
+    as the error for `key`; None when it keeps them."""
+    for bound in getattr(annotation, "__metadata__", ()):
+        if isinstance(bound, Bound) and not bound.holds(value):
+            return f"{key} must be {bound.says}, got {value!r}"
+    return None
+
+
+def check_field(cls: type, name: str, value: float, *, key: str) -> None:
+    """ValueError where `value` breaks the bounds of `cls`'s field `name` (a setting changed
+    after the config was checked)."""
+    error = bound_error(key, value, get_type_hints(cls, include_extras=True)[name])
+    if error:
+        raise ValueError(error)

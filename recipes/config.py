@@ -20,7 +20,7 @@ import torch
 from models.args import QwenArgs, RopeScaling
 from models.flavors import FLAVORS
 from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
-from protocols.bounds import UNSET_OR_AT_LEAST_1, Bound, above, at_least, within
+from protocols.bounds import UNSET_OR_AT_LEAST_1, above, at_least, bound_error, within
 from recipes.baselines.activation_checkpoint import ACMode
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
 from slidedp.activations import block_policies
@@ -240,16 +240,14 @@ def _base(tp: Any) -> Any:
 def _check_value(key: str, value: Any, tp: Any) -> Any:
     """The value if it fits the annotation (ints widened to float) and its bounds (Annotated
     Bound markers), else a ConfigError."""
-    bounds = [m for m in getattr(tp, "__metadata__", ()) if isinstance(m, Bound)]
-    tp = _base(tp)
-    if not _matches(value, tp):
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    base = _base(tp)
+    if not _matches(value, base):
+        raise ConfigError(f"{key} must be {_type_name(base)}, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):  # inf passes every bound
         raise ConfigError(f"{key} must be finite, got {value!r}")
-    for bound in bounds:
-        if not bound.holds(value):
-            raise ConfigError(f"{key} must be {bound.says}, got {value!r}")
-    return float(value) if tp is float else value
+    if error := bound_error(key, value, tp):
+        raise ConfigError(error)
+    return float(value) if base is float else value
 
 
 def _unknown_key(section: str, key: str, valid: Iterable[str]) -> ConfigError:

@@ -59,12 +59,13 @@ from models.args import QwenArgs
 from models.kernels import resolve_kernels
 from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
 from protocols.backend import Batch, StepResult
+from protocols.bounds import check_field
 from protocols.reconfigure import Knobs
 from slidedp import cpu_adam
 from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Offloader,
                                  WeightRefs, block_input, block_policies, describe_costs,
                                  measure_costs, offload_bytes)
-from slidedp.config import EmbeddingUpdate
+from slidedp.config import EmbeddingUpdate, SlideDPConfig
 from slidedp.delivery import Delivery
 from slidedp.gpu_update import PREFETCH_AT_BLOCK, GpuUpdate, check_embedding_update
 from slidedp.host_state import (Hold, HostStatePlan, SharedHostState, StepAborted,
@@ -208,7 +209,11 @@ class SlideDPBackend:
     def reconfigure(self, knobs: Knobs) -> None:
         """Apply `knobs` between steps (protocols/reconfigure.py): the routes and chunk first,
         then the slots, the activation policies, the embedding update (checked against the
-        routes now in force), the update order and the CPU Adam threads."""
+        routes now in force), the update order and the CPU Adam threads. Numbers are held to
+        their [slidedp] fields' bounds, as the config's are."""
+        for name in ("chunk_mib", "window_slots", "keep_blocks", "cpu_threads"):
+            if (value := getattr(knobs, name)) is not None:
+                check_field(SlideDPConfig, name, value, key=f"slidedp.{name}")
         if (knobs.delivery, knobs.reduction, knobs.chunk_mib) != (None, None, None):
             self._set_routes(delivery=knobs.delivery or self.cfg.delivery,
                              reduction=knobs.reduction or self.cfg.reduction,
@@ -270,8 +275,6 @@ class SlideDPBackend:
         with the old count; the count changes timing only (the CPU Adam's result does not depend
         on it). A new update order, in reconfigure, needs no drain: it changes timing only, so
         the updates still queued simply follow it."""
-        if threads < 0:
-            raise ValueError(f"slidedp.cpu_threads must be >= 0, got {threads}")
         self._drain()
         self.optimizer.threads = self.grad_return.threads = threads or self._default_threads()
 
@@ -283,8 +286,6 @@ class SlideDPBackend:
     def _set_window_slots(self, slots: int) -> None:
         """slidedp.window_slots: the slots are allocated anew and the next step delivers every
         block."""
-        if slots < 2:
-            raise ValueError(f"slidedp.window_slots must be >= 2, got {slots}")
         self._drain()
         Streams.synchronize(self.streams.record())  # no kernel or copy uses a slot any more
         old = self.cfg.window_slots

@@ -879,6 +879,9 @@ def test_reconfigure_checks_each_knob_against_the_routes_in_force():
                 backend.cfg.window_slots) == ("sharded", "cpu", 1.0, 2)
         with pytest.raises(ValueError, match='embedding_update = "gpu" needs'):
             backend.reconfigure(Knobs(embedding_update="gpu"))
+        # Numbers are held to their [slidedp] fields' bounds, as the config's are.
+        with pytest.raises(ValueError, match=r"^slidedp.window_slots must be >= 2, got 1$"):
+            backend.reconfigure(Knobs(window_slots=1))
     finally:
         backend.close()
     with pytest.raises(ValueError, match="apply with activation"):
