@@ -372,7 +372,7 @@ class PackedDataLoader:
             raise DataError(f"{paths}: {tokens:,} tokens, fewer than one sample of seq_len + 1 = "
                             f"{sample:,}: use more data or a smaller training.seq_len")
         step = sample * local_batch_size * dp_world
-        if tokens < step:  # said once, not at each of the many epochs a step then spans
+        if tokens < step and dp_rank == 0:  # said once, not by each rank or at each epoch
             logger.warning("data: %s holds %d tokens, fewer than one step's %d (%d samples of "
                            "%d): every step reads it more than once", paths, tokens, step,
                            local_batch_size * dp_world, sample)
