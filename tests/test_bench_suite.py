@@ -121,6 +121,30 @@ def test_a_launch_past_its_limit_is_killed_with_its_descendants_and_the_suite_go
     assert "4 launches, 1 failed" in proc.stdout
 
 
+def test_a_launch_whose_limit_exceeds_the_time_left_is_skipped_not_started(tmp_path):
+    """With 20 s left of the suite's deadline, a launch limited to 30 s would be killed by the
+    deadline and counted failed: it is skipped instead, and the suite exits 0; a launch whose
+    limit fits still runs."""
+    tight = _suite(tmp_path / "tight.toml", """
+        seconds = 20
+        [[workload]]
+        name = "long"
+        code = "print('the long launch ran')"
+        limit = 30
+        show = true
+        [[workload]]
+        name = "short"
+        code = "print('the short launch ran')"
+        limit = 5
+        show = true
+        """)
+    proc = _runner(tmp_path, str(tight))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "out of time, skipped: tight/long" in proc.stdout and "its limit 30 s" in proc.stdout
+    assert "the long launch ran" not in proc.stdout and "the short launch ran" in proc.stdout
+    assert "1 launches, 0 failed, 1 skipped" in proc.stdout
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, killed and not yet reaped by its new parent, does not)."""
     try:

@@ -28,7 +28,7 @@ A suite file:
     [[workload]]
     name = "reference"
     flags = "--mode reference --ac none --batches 4"   # the base flags
-    limit = 60                     # seconds per launch, cut to what is left of the deadline
+    limit = 60                     # seconds per launch; skipped when less is left of the deadline
     launches = 3                   # launches of each variant, each passing --launch i
     variants = ["--label a", {flags = "--label b", launches = 1}]
 
@@ -348,10 +348,13 @@ class Runner:
     def launch(self, what: str, cmd: list[str], *, limit: float | None, env: dict,
                log: Path | None = None, show: bool = False) -> int | None:
         """Run `cmd` under min(limit, what is left of the deadline), its output in `log`; its
-        exit status (124 if it was killed at the limit), None if skipped for lack of time."""
+        exit status (124 if it was killed at the limit), None if skipped for lack of time: less
+        than MIN_LEFT_S is left, or less than the launch's own limit (it would be killed by the
+        deadline before its limit and counted failed, for lack of time rather than a fault)."""
         left = None if self.deadline is None else self.deadline - time.monotonic()
-        if left is not None and left < MIN_LEFT_S:
-            print(f"out of time, skipped: {what}", flush=True)
+        if left is not None and (left < MIN_LEFT_S or (limit is not None and left < limit)):
+            print(f"out of time, skipped: {what} ({left:.0f} s left"
+                  f"{f', its limit {limit:.0f} s' if limit is not None else ''})", flush=True)
             self.skipped += 1
             return None
         limits = [x for x in (limit, left) if x is not None]
