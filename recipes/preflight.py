@@ -25,7 +25,7 @@ from models.args import QwenArgs
 from recipes.checkpoint import FORMAT_VERSION, read_meta
 from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, resolve_resume_dir
 from models.kernels import resolve_kernels
-from slidedp.gpu_update import check_embedding_update
+from slidedp.gpu_update import check_gpu_updates
 from recipes.baselines.memory import baseline_footprint
 from slidedp.plan.memory import (REFUSE_ABOVE, Kernel, MemoryEstimate, estimate_device_memory,
                                  estimate_memory)
@@ -58,17 +58,18 @@ def check_world(config: JobConfig, *, world: int) -> None:
                           f'use "fsdp2" or "slidedp" (./run_train.sh picks "{MULTI_RANK_MODE}")')
 
 
-def check_mode_options(config: JobConfig) -> None:
-    """Options of one mode only where that mode runs; for "deepspeed", the package is installed
-    (found, not imported: that takes seconds) and the run asks nothing the mode does not do."""
+def check_mode_options(config: JobConfig, args: QwenArgs) -> None:
+    """Options of one mode only where that mode runs (for the model `args`); for "deepspeed",
+    the package is installed (found, not imported: that takes seconds) and the run asks nothing
+    the mode does not do."""
     mode = config.parallelism.mode
     if config.parallelism.fsdp_cpu_offload and mode != "fsdp2":
         raise ConfigError(f'parallelism.fsdp_cpu_offload applies to parallelism.mode = "fsdp2", '
                           f'not "{mode}"')
     if mode == "slidedp":
         try:
-            check_embedding_update(config.slidedp,
-                                   grad_accum_steps=config.training.grad_accum_steps)
+            check_gpu_updates(config.slidedp, grad_accum_steps=config.training.grad_accum_steps,
+                              n_layers=args.n_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if mode != "deepspeed":
@@ -325,8 +326,8 @@ def check_run(config: JobConfig, *, world: int, device: torch.device,
     tokenizing all before it, and before any rank starts), where the ranks would otherwise find
     them while tokenizing."""
     check_world(config, world=world)
-    check_mode_options(config)
     name, args = resolve_model(config)
+    check_mode_options(config, args)
     check_seq_len(config.training.seq_len, args)
     if config.model.hf_dir:
         _check_hf_dir(config.model.hf_dir, args)

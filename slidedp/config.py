@@ -12,7 +12,7 @@ ReductionRoute = Literal["gpu", "cpu", "locked"]
 """GPU->host gradient routes (slidedp/update.py)."""
 RuntimeName = Literal["slidedp", "slideformer", "megatrain"]
 """The runtime's own policies, or a peer system's re-implemented on it (slidedp/peer_styles.py)."""
-EmbeddingUpdate = Literal["host", "gpu"]
+EmbeddingUpdate = Literal["host", "gpu", "resident"]
 """Where the embedding's AdamW runs (slidedp/gpu_update.py)."""
 
 
@@ -59,7 +59,13 @@ class SlideDPConfig:
     FP32 master and moments come to the GPU during the last blocks' backward, are updated there
     and go home after; the embedding's gradient, the head's too when tied, is the last of
     backward, and its host update is the tail before the next forward; one micro-batch,
-    reduction = "gpu"; slidedp/gpu_update.py)."""
+    reduction = "gpu"; slidedp/gpu_update.py) or "resident" (its FP32 master and moments stay
+    on the GPU and update there; the host copy is refreshed only for saves)."""
+    gpu_state_blocks: Annotated[int, at_least(0)] = 0
+    """The first N blocks keep their FP32 master and Adam moments (this rank's shard, 12 B/param)
+    in GPU memory and update there with torch's fused AdamW, the host copy refreshed only for
+    saves: the next forward needs them first, so under clipping it no longer waits for their
+    CPU updates. One micro-batch, reduction = "gpu" (slidedp/gpu_update.py)."""
     bf16_shadow: bool = True
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
     as the delivery source (half the H2D bytes; without it the FP32 master is copied and cast on

@@ -8,8 +8,9 @@ Three threads per rank:
                         over), then CPU AdamW on the rank's shard, chunk by chunk, one unit at a
                         time in the order slidedp/update_order.py picks; overlapped with backward
                         of earlier blocks and with the next step's forward; with
-                        slidedp.embedding_update = "gpu" the embedding's AdamW is issued on the
-                        GPU instead (slidedp/gpu_update.py).
+                        slidedp.embedding_update != "host" the embedding's AdamW, and with
+                        slidedp.gpu_state_blocks the first blocks', is issued on the GPU instead
+                        (slidedp/gpu_update.py), ahead of any host update.
 Handshakes are futures carrying CUDA events, so waits happen on the device wherever possible.
 The plan of a micro-batch (slidedp/schedule.py) is plain data; the futures of its uses live here.
 Each block runs under its activation policy (slidedp/activations/: keep, recompute, segment
@@ -67,7 +68,7 @@ from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Off
                                  measure_costs, offload_bytes)
 from slidedp.config import EmbeddingUpdate, SlideDPConfig
 from slidedp.delivery import Delivery
-from slidedp.gpu_update import PREFETCH_AT_BLOCK, GpuUpdate, check_embedding_update
+from slidedp.gpu_update import PREFETCH_AT_BLOCK, GpuUpdate, check_gpu_updates, gpu_updated_units
 from slidedp.host_state import (Hold, HostStatePlan, SharedHostState, StepAborted,
                                 available_host_bytes, host_state_bytes, updates_deferred)
 from slidedp.layout import StateLayout, Unit, chunk_elems
@@ -118,7 +119,7 @@ class SlideDPBackend:
                                          reduction=cfg.reduction)
         self.layout = StateLayout(model_args, world=dp_world, sole_owner=self.style.sole_owner)
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
-        check_embedding_update(cfg, grad_accum_steps=tr.grad_accum_steps)
+        check_gpu_updates(cfg, grad_accum_steps=tr.grad_accum_steps, n_layers=model_args.n_layers)
         needs = dict(grad_accum_steps=tr.grad_accum_steps, max_norm=tr.max_norm,
                      nonfinite=tr.nonfinite)
         plan = HostStatePlan.for_run(cfg, **needs)
@@ -162,8 +163,8 @@ class SlideDPBackend:
                                        threads=threads)
         self._accum_steps = tr.grad_accum_steps
         self._pending: list[Future] = []
-        self.gpu_update: GpuUpdate | None = None
-        self._set_embedding_update(cfg.embedding_update)
+        self.gpu_updates: dict[int, GpuUpdate] = {}  # by unit index
+        self._set_gpu_updates(cfg.embedding_update)
         self._prefetch_block = min(PREFETCH_AT_BLOCK, model_args.n_layers - 1)
         self._set_routes(delivery=cfg.delivery, reduction=cfg.reduction, chunk_mib=None)
 
@@ -225,7 +226,7 @@ class SlideDPBackend:
                                               blocks=knobs.activation_blocks,
                                               keep_blocks=knobs.keep_blocks))
         if knobs.embedding_update is not None:
-            self._set_embedding_update(knobs.embedding_update)
+            self._set_gpu_updates(knobs.embedding_update)
         if knobs.update_order is not None:
             self._queue.order = UPDATE_ORDERS[knobs.update_order]
         if knobs.cpu_threads is not None:
@@ -237,8 +238,8 @@ class SlideDPBackend:
         chunk of the copy and update pipelines as well. A peer runtime style runs its own routes
         only."""
         self.style.check_routes(delivery, reduction)
-        check_embedding_update(replace(self.cfg, reduction=reduction),
-                               grad_accum_steps=self._accum_steps)
+        check_gpu_updates(replace(self.cfg, reduction=reduction),
+                          grad_accum_steps=self._accum_steps, n_layers=self.args.n_layers)
         if reduction == "cpu" and not self.state.plan.cpu_staging:
             raise ValueError("reduction='cpu' needs the host staging region: start with "
                              "slidedp.reduction = 'cpu'")
@@ -260,15 +261,18 @@ class SlideDPBackend:
                                           threads=self.optimizer.threads,
                                           barrier_per_chunk=self.style.barrier_per_chunk)
 
-    def _set_embedding_update(self, where: EmbeddingUpdate) -> None:
-        """slidedp.embedding_update; pending updates finish first, where they were to run."""
+    def _set_gpu_updates(self, where: EmbeddingUpdate) -> None:
+        """slidedp.embedding_update, with slidedp.gpu_state_blocks; pending updates finish first,
+        where they were to run, and resident state goes home (the new ones fetch it)."""
         cfg = replace(self.cfg, embedding_update=where)
-        check_embedding_update(cfg, grad_accum_steps=self._accum_steps)
+        check_gpu_updates(cfg, grad_accum_steps=self._accum_steps, n_layers=self.args.n_layers)
         self._drain()
         self.cfg = cfg
-        self.gpu_update = (GpuUpdate(self.state, self.streams, self.optimizer.hyper,
-                                     self.layout.embed, rank=self.rank, world=self.world,
-                                     traffic=self.traffic) if where == "gpu" else None)
+        self.gpu_updates = {
+            index: GpuUpdate(self.state, self.streams, self.optimizer.hyper,
+                             self.layout.units[index], rank=self.rank, world=self.world,
+                             traffic=self.traffic, resident=resident)
+            for index, resident in gpu_updated_units(cfg).items()}
 
     def _set_cpu_threads(self, threads: int) -> None:
         """slidedp.cpu_threads (0: this rank's share of the cores). Pending updates finish first,
@@ -309,6 +313,8 @@ class SlideDPBackend:
             for region in ("exp_avg", "exp_avg_sq"):
                 self.state.unit_view(region, unit.index, lo, hi).zero_()
             self.state.version[unit.index, self.rank] = 0
+        for g in self.gpu_updates.values():
+            g.invalidate()
         self.steps_done = self.adam_steps = 0
         self._barrier()
 
@@ -471,7 +477,8 @@ class SlideDPBackend:
 
     def _queue_update(self, unit: Unit, hold: Hold, returned: Future, **kw) -> None:
         job = partial(self._update_job, self.grad_return, unit, hold, returned, **kw)
-        self._pending.append(self._queue.add_update(unit.index, job, after=returned))
+        self._pending.append(self._queue.add_update(unit.index, job, after=returned,
+                                                    first=self._updated_on_gpu(unit)))
 
     def _return_job(self, route: GradientReturn, unit: Unit, flat: torch.Tensor, ready,
                     token: int, *, micro: int, n_micro: int, hold: Hold, lr: float,
@@ -525,7 +532,7 @@ class SlideDPBackend:
         held = returned.result()
         if self._updated_on_gpu(unit):
             if skip:
-                self.gpu_update.drop()
+                self.gpu_updates[unit.index].drop()
                 self._set_version(unit, version, tail)
             else:
                 self._update_on_gpu(route, held, coef=coef, lr=lr, adam_step=adam_step,
@@ -570,16 +577,16 @@ class SlideDPBackend:
         self._set_version(unit, version, tail)
 
     def _updated_on_gpu(self, unit: Unit) -> bool:
-        return self.gpu_update is not None and unit.index == self.gpu_update.unit.index
+        return unit.index in self.gpu_updates
 
     def _update_on_gpu(self, route: GradientReturn, returned: Returned, *, coef: float,
                        lr: float, adam_step: int, version: int, tail: _UpdateTail) -> None:
-        """The embedding's AdamW on the GPU (slidedp/gpu_update.py); its version gate opens
-        once the delivery source is home."""
+        """The unit's AdamW on the GPU (slidedp/gpu_update.py); its version gate opens once the
+        delivery source is home."""
         unit = returned.unit
         self._wait_save(unit, version)
         with self._timed("gpu_update_s"):
-            self.gpu_update.update(returned.shard, self.streams.record(route.stream), coef=coef,
+            self.gpu_updates[unit.index].update(returned.shard, self.streams.record(route.stream), coef=coef,
                                    lr=lr, step=adam_step)
         returned.shard = None
         self._set_version(unit, version, tail)
@@ -649,8 +656,8 @@ class SlideDPBackend:
             elif use.phase == "fwd":
                 h = self._block_forward(unit, use, h, rope, saved)
             else:
-                if self.gpu_update is not None and unit.index - 1 == self._prefetch_block:
-                    self.gpu_update.prefetch()  # the embedding's state, for its update
+                if unit.index - 1 == self._prefetch_block and 0 in self.gpu_updates:
+                    self.gpu_updates[0].prefetch()  # the embedding's state, for its update
                 out, grad_in, leaves = saved.pop(unit.index)
                 torch.autograd.backward(out, grad_h)
                 (grad_h,) = grad_in
@@ -701,8 +708,8 @@ class SlideDPBackend:
         and keep the process from exiting: fail the releases and stop the counter waits. The
         offloaded activations and their host pool are freed now."""
         self.state.aborted.set()
-        if self.gpu_update is not None:
-            self.gpu_update.drop()
+        for g in self.gpu_updates.values():
+            g.drop()
         for released in self._released:
             if not released.done():
                 released.set_exception(StepAborted("SlideDP: the step using this buffer failed"))
@@ -791,8 +798,8 @@ class SlideDPBackend:
         for fut in self._pending:
             fut.result()
         self._pending.clear()
-        if self.gpu_update is not None:
-            self.gpu_update.wait_home()
+        for g in self.gpu_updates.values():
+            g.wait_home()
 
     def named_master_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._drain()
@@ -816,8 +823,8 @@ class SlideDPBackend:
             try:
                 for fut in pending:
                     fut.result()
-                if self.gpu_update is not None:
-                    self.gpu_update.wait_home()
+                for g in self.gpu_updates.values():
+                    g.wait_home()
                 save_shards(self.state, path, steps_done=steps, adam_steps=adam_steps,
                             units=units, unit_written=lambda u: self._save_gate.release(u.index))
             finally:
@@ -834,6 +841,8 @@ class SlideDPBackend:
         next step's deliveries; returns the step reached."""
         self._drain()
         steps, self.adam_steps = load_shards(self.state, path)
+        for g in self.gpu_updates.values():
+            g.invalidate()
         for unit in self.layout.units:
             if self.state.plan.bf16_shadow:
                 lo, hi = unit.shard(self.rank, self.world)

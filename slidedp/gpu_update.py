@@ -11,6 +11,15 @@ arrival opens the unit's version gate, then the rest of the FP32 state, whose ar
 (`wait_home`) saves and the next step's prefetch wait for. Semantics are those of the host
 update: the same gradient, clipping coefficient, learning rate and step count.
 
+Resident (slidedp.embedding_update = "resident", and the first slidedp.gpu_state_blocks blocks):
+the copies are the unit's optimizer state, kept on the GPU from the first update on (ZeRO-Offload++'s
+partial offload, per unit). Each update moves only the delivery source home (2 B/param with the
+shadow); the FP32 master and moments are copied home only when the host's copy must be current
+(`wait_home`: saves, reconfiguration, the end), and fetched again after the host state changed
+(`invalidate`: a load, an optimizer reset). 12 B/param of GPU memory buy an update that never
+waits for the CPU Adam: with clipping, the updates wait for the step's norm, and the host
+updates of the first blocks the next forward needs are its wait.
+
 On the CPU (tests) the "device" copies are ordinary tensors and every copy is synchronous.
 """
 
@@ -34,28 +43,43 @@ GPU_CHUNK = 1 << 26
 """Elements per piece of the update: bounds its FP32 gradient temporary (256 MiB)."""
 
 
-def check_embedding_update(cfg: SlideDPConfig, *, grad_accum_steps: int) -> None:
+def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: int) -> None:
     """Refuse what the GPU update cannot serve, before anything is allocated."""
     if cfg.embedding_update not in get_args(EmbeddingUpdate):
         raise ValueError(f"slidedp.embedding_update must be one of {get_args(EmbeddingUpdate)}, "
                          f"got {cfg.embedding_update!r}")
-    if cfg.embedding_update == "host":
+    if not 0 <= cfg.gpu_state_blocks <= n_layers:
+        raise ValueError(f"slidedp.gpu_state_blocks: {cfg.gpu_state_blocks} is not within the "
+                         f"model's 0..{n_layers} blocks")
+    if cfg.embedding_update == "host" and cfg.gpu_state_blocks == 0:
         return
     # The update needs the summed gradient shard on the GPU: the gpu route, one micro-batch
     # (accumulated gradients are summed on the host), FP32 master weights.
     if cfg.runtime != "slidedp" or cfg.reduction != "gpu" or grad_accum_steps != 1:
-        raise ValueError('slidedp.embedding_update = "gpu" needs slidedp.runtime = "slidedp", '
-                         'slidedp.reduction = "gpu" and training.grad_accum_steps = 1 (got '
-                         f'{cfg.runtime!r}, {cfg.reduction!r}, {grad_accum_steps})')
+        what = (f'slidedp.embedding_update = "{cfg.embedding_update}"'
+                if cfg.embedding_update != "host" else "slidedp.gpu_state_blocks > 0")
+        raise ValueError(f'{what} needs slidedp.runtime = "slidedp", slidedp.reduction = "gpu" '
+                         f'and training.grad_accum_steps = 1 (got {cfg.runtime!r}, '
+                         f'{cfg.reduction!r}, {grad_accum_steps})')
+
+
+def gpu_updated_units(cfg: SlideDPConfig) -> dict[int, bool]:
+    """The unit indices (0 the embedding, 1 + i block i) whose AdamW runs on the GPU, each with
+    whether its state stays there."""
+    units = {1 + i: True for i in range(cfg.gpu_state_blocks)}
+    if cfg.embedding_update != "host":
+        units[0] = cfg.embedding_update == "resident"
+    return units
 
 
 class GpuUpdate:
     """AdamW of one unit's shard (this rank's) on the GPU; one step at a time."""
 
     def __init__(self, state: SharedHostState, streams: Streams, hyper: AdamHyper, unit: Unit, *,
-                 rank: int, world: int, traffic: Traffic):
+                 rank: int, world: int, traffic: Traffic, resident: bool = False):
         self.state, self.streams, self.hyper, self.unit = state, streams, hyper, unit
-        self.traffic = traffic
+        self.traffic, self.resident = traffic, resident
+        self._ahead = False  # resident: the GPU's FP32 state is newer than the host's
         self.lo, self.hi = unit.shard(rank, world)
         self.stream = streams.new_stream()
         # Pinned, so the copies are DMA on the stream, not staged by the issuing thread.
@@ -67,7 +91,8 @@ class GpuUpdate:
         """Copy the shard's master and moments to the GPU on the update stream (compute thread,
         during backward). The copies are allocated on the compute stream, so the memory goes back
         to the common pool once the update has used them; the stream orders them after the
-        previous step's copies home. Once per step: later calls do nothing."""
+        previous step's copies home. Once per step (resident: once until `invalidate`): later
+        calls do nothing."""
         if self._pieces is not None:
             return
         pieces = []
@@ -93,8 +118,15 @@ class GpuUpdate:
         self._pieces = pieces
 
     def drop(self) -> None:
-        """Forget the prefetched copies (a skipped step, or a failed one)."""
-        self._pieces = None
+        """Forget the prefetched copies (a skipped step, or a failed one); resident ones are
+        the unit's state itself, untouched by a step that did not update."""
+        if not self.resident:
+            self._pieces = None
+
+    def invalidate(self) -> None:
+        """The host state changed (a load, an optimizer reset): the next update fetches it."""
+        Streams.synchronize(self._home)
+        self._pieces, self._ahead = None, False
 
     def update(self, grad: torch.Tensor, ready: torch.cuda.Event | None, *, coef: float,
                lr: float, step: int) -> None:
@@ -102,7 +134,9 @@ class GpuUpdate:
         `ready`) scaled by `coef`, at Adam step `step`. Returns once the delivery source is
         home (the caller then opens the version gate); the FP32 state follows (`wait_home`)."""
         self.prefetch()  # issued at PREFETCH_AT_BLOCK unless the model has fewer blocks
-        pieces, self._pieces = self._pieces, None
+        pieces = self._pieces
+        if not self.resident:
+            self._pieces = None
         h, source = self.hyper, "shadow" if self.state.plan.bf16_shadow else "master"
         with self.streams.use(self.stream):
             self.streams.wait(ready, self.stream)
@@ -121,6 +155,18 @@ class GpuUpdate:
                 target.copy_(param if source == "master" else param.to(torch.bfloat16),
                              non_blocking=True)
             source_home = self.streams.record(self.stream)
+            if self.resident:
+                self._home, self._ahead = source_home, True
+        self.traffic.gpu_update_d2h += (self.hi - self.lo) * (2 if source == "shadow" else 4)
+        if not self.resident:
+            self._copy_home(pieces)
+        Streams.synchronize(source_home)
+
+    def _copy_home(self, pieces) -> None:
+        """The FP32 state other than the delivery source to host memory, on the update stream;
+        `_home` is recorded after it."""
+        source = "shadow" if self.state.plan.bf16_shadow else "master"
+        with self.streams.use(self.stream):
             for a, b, param, exp_avg, exp_avg_sq in pieces:
                 for copy, region in ((param, "master"), (exp_avg, "exp_avg"),
                                      (exp_avg_sq, "exp_avg_sq")):
@@ -128,9 +174,13 @@ class GpuUpdate:
                         self.state.unit_view(region, self.unit.index, a, b).copy_(
                             copy, non_blocking=True)
             self._home = self.streams.record(self.stream)
-        self.traffic.gpu_update_d2h += (self.hi - self.lo) * (14 if source == "shadow" else 12)
-        Streams.synchronize(source_home)
+        self.traffic.gpu_update_d2h += (self.hi - self.lo) * (12 if source == "shadow" else 8)
 
     def wait_home(self) -> None:
-        """Block until the last update's FP32 state is in host memory."""
+        """Block until the unit's FP32 state is in host memory: the last update's copies, or,
+        resident, copies issued now if the GPU's state is ahead (the caller holds the unit's
+        next update back until this returns)."""
+        if self.resident and self._ahead:
+            self._copy_home(self._pieces)
+            self._ahead = False
         Streams.synchronize(self._home)

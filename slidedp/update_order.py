@@ -75,7 +75,7 @@ class UpdateQueue:
         self.executor, self.order, self._on_failure = executor, order, on_failure
         self._lock = threading.Lock()
         self._returns: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._updates: list[tuple[int, Future | None, Callable[[], Any], Future]] = []
+        self._updates: list[tuple[int, Future | None, Callable[[], Any], Future, bool]] = []
 
     def add_return(self, job: Callable[[], Any]) -> Future:
         """Queue a gradient return; the future gets what `job` returns (or raises)."""
@@ -85,12 +85,14 @@ class UpdateQueue:
         self.executor.submit(self._run_next)
         return done
 
-    def add_update(self, unit: int, job: Callable[[], Any], *,
-                   after: Future | None = None) -> Future:
-        """Queue the update of `unit`, runnable once `after` is done (now if None)."""
+    def add_update(self, unit: int, job: Callable[[], Any], *, after: Future | None = None,
+                   first: bool = False) -> Future:
+        """Queue the update of `unit`, runnable once `after` is done (now if None); a `first`
+        one (issued on the GPU: milliseconds, where a host update takes tens) runs before any
+        other runnable update, whatever the order."""
         done: Future = Future()
         with self._lock:
-            self._updates.append((unit, after, job, done))
+            self._updates.append((unit, after, job, done, first))
         self.executor.submit(self._run_next)
         return done
 
@@ -99,10 +101,11 @@ class UpdateQueue:
             if self._returns:
                 job, done = self._returns.popleft()
             else:
-                runnable = [i for i, (_, after, _, _) in enumerate(self._updates)
+                runnable = [i for i, (_, after, _, _, _) in enumerate(self._updates)
                             if after is None or after.done()]
+                runnable = [i for i in runnable if self._updates[i][4]] or runnable
                 pick = runnable[self.order.pick([self._updates[i][0] for i in runnable])]
-                _, _, job, done = self._updates.pop(pick)
+                _, _, job, done, _ = self._updates.pop(pick)
         try:
             done.set_result(job())
         except BaseException as e:  # the waiter re-raises it

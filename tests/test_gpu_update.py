@@ -1,6 +1,7 @@
-"""The embedding's AdamW on the GPU (slidedp/gpu_update.py) on CUDA: its state's copies to the
-GPU must not race kernels still queued on the compute stream, and SlideDP with it must train as
-`single` does on a model of real width and depth. GPU only (run on the GPU machine)."""
+"""AdamW on the GPU (slidedp/gpu_update.py) on CUDA: the state's copies to the GPU must not race
+kernels still queued on the compute stream, and SlideDP with the embedding's state streamed there,
+or the embedding's and the first blocks' resident there, must train as `single` does on a model
+of real width and depth. GPU only (run on the GPU machine)."""
 
 from dataclasses import replace
 
@@ -26,7 +27,7 @@ def test_prefetch_waits_for_kernels_queued_on_the_memory_it_reuses():
     backend = SlideDPBackend(cfg, get_flavor("qwen3-debug"), device=device, dp_rank=0,
                              dp_world=1)
     try:
-        upd = backend.gpu_update
+        upd = backend.gpu_updates[0]
         first = min(upd.hi - upd.lo, GPU_CHUNK)
         torch.cuda.synchronize()
         stale = torch.empty(first, dtype=torch.float32, device=device)
@@ -48,10 +49,13 @@ def test_prefetch_waits_for_kernels_queued_on_the_memory_it_reuses():
 def _lockstep(flavor: str, layers: int, *, max_norm: float, where: str, steps: int = 5,
               batch: int = 2, seq: int = 1024) -> list[tuple[float, float, float, float]]:
     """(single's loss, SlideDP's, single's gradient norm, SlideDP's) per step, both from the same
-    init on the same batches; SlideDP with its embedding updated on the `where` side."""
+    init on the same batches; SlideDP with its embedding updated on the `where` side, and with
+    "resident" the first half of the blocks' state resident on the GPU too."""
     device = torch.device("cuda", 0)
     args = replace(get_flavor(flavor), n_layers=layers)
-    cfg = make_config({"embedding_update": where, "nonfinite": "skip" if max_norm else "off"},
+    resident = layers // 2 if where == "resident" else 0
+    cfg = make_config({"embedding_update": where, "nonfinite": "skip" if max_norm else "off",
+                       "gpu_state_blocks": resident, "update_order": "next_use"},
                       accum=1, max_norm=max_norm, kernels="liger", batch=batch, seq=seq)
     cfg.training.loss_chunk_tokens = 1024
     cfg.parallelism.mode = "single"
@@ -83,7 +87,7 @@ def _lockstep(flavor: str, layers: int, *, max_norm: float, where: str, steps: i
     ("qwen3-1.7B", 28, 2, 1024), ("qwen3-4B", 8, 8, 4096), ("qwen2.5-7B", 6, 8, 4096)],
     ids=["qwen3-1.7B-28x2x1024", "qwen3-4B-8x8x4096", "qwen2.5-7B-6x8x4096"])
 @pytest.mark.parametrize("max_norm", [0.0, 1.0])
-@pytest.mark.parametrize("where", ["gpu", "host"])
+@pytest.mark.parametrize("where", ["gpu", "host", "resident"])
 def test_embedding_update_trains_as_single_at_real_size(flavor, layers, batch, seq, max_norm,
                                                         where):
     rows = _lockstep(flavor, layers, max_norm=max_norm, where=where, batch=batch, seq=seq)

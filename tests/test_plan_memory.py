@@ -140,18 +140,23 @@ def test_the_embeddings_state_on_the_device_is_a_later_peak(world):
     """slidedp.embedding_update = "gpu" with Qwen3-4B (tied: 389M parameters in the embedding):
     from the backward of block 4 on, this rank's shard at 12 B/param and a GPU_CHUNK piece of
     the gradient in FP32 and BF16, beside blocks 0-4's activations (what the other 31 blocks kept
-    is freed by then). At one sequence under recompute, on one rank it is above backward's start
+    is freed by then) or, when backward ends, the reduced gradient shard waiting for the norm. At one sequence under recompute, on one rank it is above backward's start
     and the estimate grows by the difference; on two the half shard stays below. At eight
     sequences under keep it is far below, and nothing changes."""
     args = FLAVORS["qwen3-4B"]
     shard = StateLayout(args, world=world).embed.padded // world
     state = 12 * shard + 6 * min(shard, GPU_CHUNK)
     block = activation_bytes(args, RECOMPUTE, compute_bytes=2, kernels="liger")[0].at(1, 4096)
+    config = _embedding_update_config(batch=1, activation="recompute", where="host")
+    assert config.training.max_norm > 0  # deferred: the reduced shard waits there for the norm
     host, gpu = (estimate_device_memory(
         _embedding_update_config(batch=1, activation="recompute", where=where), args,
         world=world, kernels="liger") for where in ("host", "gpu"))
-    assert host.after_prefetch == 0 and dataclasses.replace(gpu, after_prefetch=0) == host
-    assert gpu.after_prefetch == pytest.approx(state + host.activations - 31 * block, abs=2)
+    assert host.after_prefetch == 0 and gpu.gradients == host.gradients + 2 * shard
+    assert dataclasses.replace(gpu, after_prefetch=0, gradients=host.gradients) == host
+    # Then the activations of blocks 0-4, or at backward's end the embedding's gradient shard.
+    assert gpu.after_prefetch == pytest.approx(
+        state + max(host.activations - 31 * block, gpu.gradients), abs=2)
     backward_start = host.activations + host.logits
     if world == 1:
         assert gpu.total - host.total == gpu.after_prefetch - backward_start > 0
@@ -161,3 +166,27 @@ def test_the_embeddings_state_on_the_device_is_a_later_peak(world):
         _embedding_update_config(batch=8, activation="keep", where=where), args, world=world,
         kernels="liger") for where in ("host", "gpu"))
     assert 0 < gpu.after_prefetch < gpu.activations and gpu.total == host.total
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_resident_optimizer_state_is_held_on_the_device_for_the_whole_run(max_norm):
+    """slidedp.gpu_state_blocks = 18 with embedding_update = "resident" on Qwen3-4B, two ranks:
+    the units' shards at 12 B/param and the update's FP32 and BF16 gradient piece are resident;
+    deferred (clipping), the reduced shards (2 B/param) wait on the device for the norm; none of
+    it streams."""
+    args, world = FLAVORS["qwen3-4B"], 2
+    units = StateLayout(args, world=world).units
+    shards = [units[i].padded // world for i in range(19)]  # the embedding, blocks 0-17
+    config = _embedding_update_config(batch=2, activation="selective", where="host")
+    config.training.max_norm = max_norm
+    config.training.nonfinite = "skip" if max_norm else "off"  # not deferred without both
+    host = estimate_device_memory(config, args, world=world, kernels="liger")
+    config.slidedp = dataclasses.replace(config.slidedp, embedding_update="resident",
+                                         gpu_state_blocks=18)
+    gpu = estimate_device_memory(config, args, world=world, kernels="liger")
+    assert gpu.resident - host.resident == 12 * sum(shards) + 6 * max(
+        min(s, GPU_CHUNK) for s in shards)
+    held = 2 * sum(shards) if max_norm else 0
+    assert gpu.gradients - host.gradients == held and gpu.after_prefetch == 0
+    assert gpu.total - host.total == gpu.resident - host.resident + max(
+        0, gpu.gradients - max(host.gradients, host.activations + host.logits))

@@ -174,11 +174,13 @@ def resume_half_way(tmp_path: Path, *flags: str) -> tuple[Path, Path]:
     return first, second
 
 
-def test_embedding_updated_on_the_gpu_saves_and_resumes_exactly(tmp_path):
-    """slidedp.embedding_update = "gpu" resumes bit for bit (on a GPU the saves also wait for
-    the embedding's state to be home, GpuUpdate.wait_home: its copies land after its version
-    gate opens)."""
-    resume_half_way(tmp_path, "--slidedp.embedding_update=gpu")
+def test_units_updated_on_the_gpu_save_and_resume_exactly(tmp_path):
+    """The embedding's state streamed to the GPU each step (slidedp.embedding_update = "gpu")
+    and the first block's resident there (slidedp.gpu_state_blocks) resume bit for bit: the
+    saves wait for the state to be home (GpuUpdate.wait_home: the streamed copies land after the
+    version gate opens, the resident state is copied home only for the save), and the resumed
+    run fetches the loaded state (GpuUpdate.invalidate)."""
+    resume_half_way(tmp_path, "--slidedp.embedding_update=gpu", "--slidedp.gpu_state_blocks=1")
 
 
 def test_slidedp_world_size_mismatch_is_one_line(slidedp_run):

@@ -315,43 +315,57 @@ def test_update_orders_are_bit_identical(request, slidedp_runs, run):
         assert all(n > max_norm for r in results for n in r["grad_norms"])  # it did clip
 
 
-# The embedding's update on the device (slidedp.embedding_update = "gpu"): during backward
-# (nonfinite off, no clipping) and after it (clipping, or the guard alone), slowed host updates
-# outlasting backward, shadow on and off, both families (Qwen3's embedding is tied).
+# Units updated on the device (slidedp/gpu_update.py): the embedding's state streamed there each
+# step (embedding_update = "gpu"), or resident there with the first blocks' (embedding_update =
+# "resident", gpu_state_blocks); during backward (nonfinite off, no clipping) and after it
+# (clipping, or the guard alone), slowed host updates outlasting backward, shadow on and off,
+# both families (Qwen3's embedding is tied).
 _ON_GPU = {"embedding_update": "gpu", "update_delay_s": 0.002}
-CASES["test_embedding_updated_on_the_device[clipped]"] = Case(
+_RESIDENT = {"embedding_update": "resident", "update_delay_s": 0.002}
+CASES["test_units_updated_on_the_device[clipped]"] = Case(
     2, "qwen3-debug", steps=3, accum=1, max_norm=0.05, variants=[
         {**_ON_GPU, "delivery": "sharded"},
-        {**_ON_GPU, "delivery": "replicated", "bf16_shadow": False, "chunk_mib": ODD_CHUNK}])
-CASES["test_embedding_updated_on_the_device[during_backward]"] = Case(
+        {**_ON_GPU, "delivery": "replicated", "bf16_shadow": False, "chunk_mib": ODD_CHUNK},
+        {**_RESIDENT, "gpu_state_blocks": 2, "update_order": "next_use"},
+        {**_ON_GPU, "gpu_state_blocks": 1, "bf16_shadow": False}])
+CASES["test_units_updated_on_the_device[during_backward]"] = Case(
     3, "qwen2.5-debug", steps=3, accum=1, max_norm=0.0, variants=[
         {**_ON_GPU, "nonfinite": "off"},
         {**_ON_GPU, "nonfinite": "off", "bf16_shadow": False, "delivery": "replicated"},
-        {**_ON_GPU, "activation": "keep"}])
+        {**_ON_GPU, "activation": "keep"},
+        {**_RESIDENT, "nonfinite": "off", "gpu_state_blocks": 3, "chunk_mib": ODD_CHUNK}])
 
 
 @pytest.mark.parametrize("run", ["clipped", "during_backward"])
-def test_embedding_updated_on_the_device(request, slidedp_runs, run):
-    """The embedding's AdamW on the device equals `single`; no host update touches it, and its
-    state crosses PCIe as counted: 12 B/param there, 12 home plus the shadow's 2 when there is
-    one (the gradient never goes home)."""
+def test_units_updated_on_the_device(request, slidedp_runs, run):
+    """AdamW on the device equals `single`; no host update touches those units, and their state
+    crosses PCIe as counted. Streamed (the embedding with "gpu"): 12 B/param there each step,
+    12 home plus the shadow's 2 when there is one. Resident: 12 B/param there once, then only
+    the delivery source home per update (the shadow's 2 B/param, or the master's 4); the
+    gradient never goes home."""
     case, results = slidedp_runs(request.node.name)
     ref_losses, ref_weights = single_reference(world=case.world, **case.kw)
     assert_matches_reference(results, ref_losses, ref_weights)
     if case.max_norm > 0:
         assert all(n > case.max_norm for r in results for n in r["grad_norms"])  # it did clip
-    embed = StateLayout(get_flavor(case.flavor), world=case.world).embed
-    shard_mb = (embed.padded // case.world) / 2**20
+    units = StateLayout(get_flavor(case.flavor), world=case.world).units
     for r in results:
-        assert r["updated_units"] and 0 not in r["updated_units"], r["variant"]
-        first = r["counters"][0]
-        assert first["traffic_gpu_update_h2d_mb"] == pytest.approx(12 * shard_mb)
-        # Counted by the report of the step during which it ran: the last step's update may
-        # come after the last report.
-        home = 14 if r["variant"].get("bf16_shadow", True) else 12
-        moved = sum(c.get("traffic_gpu_update_d2h_mb", 0.0) for c in r["counters"]) / shard_mb
-        steps = len(r["counters"])
-        assert any(moved == pytest.approx(home * n) for n in (steps - 1, steps)), (moved, r)
+        v, steps = r["variant"], len(r["counters"])
+        on_gpu = {1 + i: True for i in range(v.get("gpu_state_blocks", 0))}
+        on_gpu[0] = v["embedding_update"] == "resident"
+        assert r["updated_units"] and not set(on_gpu) & set(r["updated_units"]), v
+        shard_mb = {i: units[i].padded // case.world / 2**20 for i in on_gpu}
+        shadow = v.get("bf16_shadow", True)
+        # Per update: resident, the delivery source; streamed, the FP32 state and the shadow.
+        home = {True: 2 if shadow else 4, False: 14 if shadow else 12}
+        per_step = sum(mb * home[on_gpu[i]] for i, mb in shard_mb.items())
+        # Each counted by the report of the step during which it ran: the last step's updates
+        # may come after the last report; the streamed state comes during backward, every step.
+        d2h = sum(c.get("traffic_gpu_update_d2h_mb", 0.0) for c in r["counters"])
+        assert per_step * (steps - 1) - 1e-6 <= d2h <= per_step * steps + 1e-6, (d2h, v)
+        h2d = sum(c.get("traffic_gpu_update_h2d_mb", 0.0) for c in r["counters"])
+        fetched = sum(mb * 12 * (1 if on_gpu[i] else steps) for i, mb in shard_mb.items())
+        assert h2d == pytest.approx(fetched), (h2d, v)
         assert any(c.get("host_gpu_update_s", 0) > 0 for c in r["counters"])
 
 
@@ -369,9 +383,15 @@ def test_one_gpu_embedding_updated_on_the_device(tmp_path, max_norm):
     assert all(r["counters"][0]["traffic_gpu_update_h2d_mb"] > 0 for r in results)
 
 
-@pytest.mark.parametrize("change,accum", [({"reduction": "cpu"}, 1), ({}, 2),
-                                          ({"runtime": "megatrain"}, 1)])
-def test_embedding_update_on_the_device_refuses_what_it_cannot_serve(change, accum):
+_GPU_STATE = {"embedding_update": "host", "gpu_state_blocks": 2}
+
+
+@pytest.mark.parametrize("change,accum,said", [
+    ({"reduction": "cpu"}, 1, "embedding_update"), ({}, 2, "embedding_update"),
+    ({"runtime": "megatrain"}, 1, "embedding_update"),
+    ({**_GPU_STATE, "reduction": "cpu"}, 1, "gpu_state_blocks > 0 needs"),
+    ({**_GPU_STATE, "gpu_state_blocks": 5}, 1, "gpu_state_blocks: 5 is not within")])
+def test_updates_on_the_device_refuse_what_they_cannot_serve(change, accum, said):
     """Said by the preflight check, and by the backend before it allocates anything."""
     from recipes.config import ConfigError
     from recipes.preflight import check_mode_options
@@ -379,9 +399,9 @@ def test_embedding_update_on_the_device_refuses_what_it_cannot_serve(change, acc
 
     cfg = make_config({"embedding_update": "gpu", **change}, accum=accum, max_norm=0.0)
     cfg.parallelism.mode = "slidedp"
-    with pytest.raises(ConfigError, match="embedding_update"):
-        check_mode_options(cfg)
-    with pytest.raises(ValueError, match="embedding_update"):
+    with pytest.raises(ConfigError, match=said):
+        check_mode_options(cfg, get_flavor("qwen3-debug"))
+    with pytest.raises(ValueError, match=said):
         SlideDPBackend(cfg, get_flavor("qwen3-debug"), device=torch.device("cpu"), dp_rank=0,
                        dp_world=1)
 

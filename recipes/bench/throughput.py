@@ -117,6 +117,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.slidedp.bf16_shadow = not a.no_shadow
     cfg.slidedp.update_order = a.update_order.split(",")[0]
     cfg.slidedp.embedding_update = a.embedding_update.split(",")[0]
+    cfg.slidedp.gpu_state_blocks = a.gpu_state_blocks
     cfg.slidedp.check_host_memory = not a.no_memory_check
     cfg.slidedp.autopolicy_candidates = a.autopolicy_candidates
     return cfg
@@ -174,8 +175,11 @@ def main() -> None:
                    help="slidedp: list of slidedp.update_order values (next_use, arrival), each "
                         "point run in each, one after the other, in the same build")
     p.add_argument("--embedding-update", default="host",
-                   help="slidedp: list of slidedp.embedding_update values (host, gpu), each "
-                        "point measured under each in one build")
+                   help="slidedp: list of slidedp.embedding_update values (host, gpu, "
+                        "resident), each point measured under each in one build")
+    p.add_argument("--gpu-state-blocks", type=int, default=0,
+                   help="slidedp: slidedp.gpu_state_blocks (the first N blocks' optimizer state "
+                        "on the GPU)")
     p.add_argument("--cpu-threads", default="0",
                    help="slidedp: list of slidedp.cpu_threads values (0: the rank's share of the "
                         "cores), each point run with each in the same build; a count other than "
@@ -209,13 +213,13 @@ def main() -> None:
     try:  # the flavor with the RoPE scaling flags, and --seq within its positions
         args = resolve_model(_config(a, "sharded/gpu"))[1]
         check_seq_len(a.seq, args)
-        check_mode_options(_config(a, "sharded/gpu"))  # e.g. deepspeed not installed
+        check_mode_options(_config(a, "sharded/gpu"), args)  # e.g. deepspeed not installed
         if a.mode == "deepspeed" and "," in a.accum:
             raise ConfigError("--accum: deepspeed takes one micro-batch count per build")
         if set(a.update_order.split(",")) - set(UPDATE_ORDERS):
             raise ConfigError(f"--update-order: each one of {', '.join(UPDATE_ORDERS)}")
         if set(a.embedding_update.split(",")) - set(get_args(EmbeddingUpdate)):
-            raise ConfigError("--embedding-update: each one of host, gpu")
+            raise ConfigError(f"--embedding-update: each one of {', '.join(get_args(EmbeddingUpdate))}")
         if not all(t.isdigit() for t in a.cpu_threads.split(",")):
             raise ConfigError("--cpu-threads: a list of counts >= 0")
     except ConfigError as e:
@@ -268,7 +272,7 @@ def main() -> None:
                                 **context)
             slidedp = dict(activation_blocks=blocks, keep_blocks=a.keep_blocks,
                            slots=a.slots, chunk_mib=a.chunk_mib, update_order=order,
-                           embedding_update=embedding,
+                           embedding_update=embedding, gpu_state_blocks=a.gpu_state_blocks,
                            **_runtime_state(a, backend, args)) if a.mode == "slidedp" else {}
             row = _row(a, args=args, route=route, ac=a.ac if a.mode != "slidedp" else policy,
                        batch=batch, accum=accum, slidedp=slidedp, measured=measured,
@@ -378,7 +382,8 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
     """One measured point as a JSONL row (its configuration, then what was measured)."""
     step_time = measured["step_time_s"]
     none = dict.fromkeys(("activation_blocks", "keep_blocks", "slots", "chunk_mib",
-                          "update_order", "embedding_update", "runtime", "bf16_shadow",
+                          "update_order", "embedding_update", "gpu_state_blocks", "runtime",
+                          "bf16_shadow",
                           "cpu_threads"))
     return {"mode": a.mode, "label": a.label if label is None else label, "flavor": a.flavor,
             "route": route, "kernels": kernels, "attention_op": attention_op, "ac": ac,
@@ -422,7 +427,8 @@ def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args:
                         world=world, device=device)
     slidedp = dict(activation_blocks=format_blocks(policies, policies[0]), keep_blocks=0,
                    slots=s.window_slots, chunk_mib=s.chunk_mib, update_order=cfg.slidedp.update_order,
-                   embedding_update=cfg.slidedp.embedding_update, **_runtime_state(a, backend, args))
+                   embedding_update=cfg.slidedp.embedding_update,
+                   gpu_state_blocks=a.gpu_state_blocks, **_runtime_state(a, backend, args))
     return _row(a, args=args, route=f"{s.delivery}/{s.reduction}", ac=policies[0].name,
                 batch=a.autopolicy, accum=1, slidedp=slidedp, label="autopolicy",
                 measured={**measured, "selection_s": chosen["selection_s"],
@@ -442,8 +448,10 @@ def system_name(row: dict) -> str:
         name += f" ZeRO-{row['zero_stage']}"
     if row.get("update_order") == "next_use":  # not the default slidedp.update_order
         name += " next_use"
-    if row.get("embedding_update") == "gpu":  # not the default slidedp.embedding_update
-        name += " gpu-embedding"
+    if row.get("embedding_update") in ("gpu", "resident"):  # not the default
+        name += f" {row['embedding_update']}-embedding"
+    if row.get("gpu_state_blocks"):
+        name += f" gpu-state-{row['gpu_state_blocks']}"
     return name + (f" {row['label']}" if row.get("label") else "")
 
 

@@ -26,6 +26,11 @@ resident and gradients (N = parameters, R = ranks) are the mode's Footprint: Sli
              wait on the device for their updates (no shadow, no clipping, guard off, one
              micro-batch, gpu route: slidedp.host_state.HostStatePlan.hold), one step's: 2/R
              B/param
+             units whose AdamW runs on the GPU (slidedp/gpu_update.py): resident ones
+             (slidedp.gpu_state_blocks, embedding_update = "resident") add their shard's FP32
+             master and moments (12/R B/param) and the update's FP32 and BF16 gradient pieces
+             to resident; deferred, every GPU-updated unit's reduced shard (2/R B/param) waits
+             on the device for the norm, counted in gradients
 
 activations: tokens per micro-batch (local_batch_size x seq_len) x (the sum over blocks of the
 bytes per token each block's policy keeps + what backward holds beyond that of the one block it
@@ -74,7 +79,7 @@ from typing import Literal
 from models.args import QwenArgs
 from models.qwen import BLOCK_SEGMENTS
 from slidedp.activations import ActivationPolicy, Bytes, SavedOps, SegmentMask, block_policies
-from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK
+from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK, gpu_updated_units
 from slidedp.host_state import HostStatePlan, updates_deferred
 from slidedp.layout import StateLayout, chunk_elems
 from slidedp.peer_styles import RUNTIME_STYLES
@@ -327,12 +332,20 @@ def slidedp_footprint(config, args: QwenArgs, *, world: int) -> Footprint:
     # Held on the device, the reduced shards of a step wait there for their updates: at most
     # all of them (a unit's next gradient comes after its update), while activations are freed.
     waiting = layout.total // world * 2 if hold == "device" else 0
-    update = 0
-    if s.embedding_update == "gpu":  # this rank's shard of the FP32 master and moments, and
-        # the update's FP32 and BF16 gradient pieces (slidedp/gpu_update.py)
-        shard = layout.embed.padded // world
-        update = shard * 12 + min(shard, GPU_CHUNK) * (4 + 2)
-    return Footprint(resident=buffers + grads + receive + cast, gradients=waiting,
+    # The units the GPU updates (slidedp/gpu_update.py): this rank's shard of their FP32 master
+    # and moments, and the update's FP32 and BF16 gradient pieces; resident ones for the whole
+    # run, the streamed embedding from its prefetch to its update.
+    gpu = [(layout.units[i].padded // world, r) for i, r in gpu_updated_units(cfg).items()]
+    pieces = max((min(shard, GPU_CHUNK) * (4 + 2) for shard, _ in gpu), default=0)
+    state = sum(shard * 12 for shard, resident in gpu if resident)
+    update = sum(shard * 12 for shard, resident in gpu if not resident)
+    if state:
+        state += pieces
+    elif update:
+        update += pieces
+    if deferred and hold != "device":  # their reduced shards wait on the device for the norm
+        waiting += sum(shard * 2 for shard, _ in gpu)
+    return Footprint(resident=buffers + grads + receive + cast + state, gradients=waiting,
                      policies=policies, compute_bytes=2, embedding_update=update)
 
 
