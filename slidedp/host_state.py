@@ -207,6 +207,16 @@ class HostLock:
         os.close(self._fd)
 
 
+def uncovered(spans: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of [start, end) that no range of `spans` (disjoint) covers, in order."""
+    gaps = []
+    for a, b in sorted(spans) + [(end, end)]:
+        if start < min(a, end):
+            gaps.append((start, min(a, end)))
+        start = max(start, b)
+    return gaps
+
+
 class SharedHostState:
     """The mapped regions, as flat CPU tensors shared by every local rank."""
 
@@ -243,27 +253,32 @@ class SharedHostState:
         self.grad_lock = HostLock(rank=rank, share=share, barrier=barrier) if plan.grad_lock else None
         self._registered: list[int] = []
         self._pin = pin
-        self._pinned: set[tuple[str, int | None]] = set()  # (region, unit or None: all of it)
+        # Per region, the registered element ranges, page-aligned and disjoint: CUDA refuses
+        # to register a page twice, and neighbouring units share their boundary pages.
+        self._pinned: dict[str, list[tuple[int, int]]] = {}
         if pin:
             for name in ("shadow", "grad_bf16", "staging", "master"):
                 if name in self.regions and (name != "master" or not plan.bf16_shadow):
                     # The DMA engines read and write the shared bytes directly.
                     self._registered.append(register_host(self.regions[name]))
-                    self._pinned.add((name, None))
+                    self._pinned[name] = [(0, self.regions[name].numel())]
 
     def pin_unit(self, unit_index: int, regions: tuple[str, ...]) -> None:
         """Register a unit's range of `regions` as pinned memory too (the GPU update copies them
         to and from the GPU), unless already registered; nothing without `pin`."""
         for name in regions:
-            if not self._pin or {(name, None), (name, unit_index)} & self._pinned:
-                continue
-            # Whole pages: the region starts on a page, the unit's range need not.
+            if not self._pin:
+                return
+            # Whole pages: the region starts on a page, the unit's range need not. Only the
+            # pages not registered yet (a neighbour's range may hold the boundary ones).
             base, unit = self.regions[name], self.layout.units[unit_index]
             page = 4096 // base.element_size()
             start = unit.host_offset // page * page
             end = min(base.numel(), -(-(unit.host_offset + unit.padded) // page) * page)
-            self._registered.append(register_host(base[start:end]))
-            self._pinned.add((name, unit_index))
+            spans = self._pinned.setdefault(name, [])
+            for a, b in uncovered(spans, start, end):
+                self._registered.append(register_host(base[a:b]))
+                spans.append((a, b))
 
     def __getattr__(self, name: str) -> torch.Tensor:
         regions = self.__dict__.get("regions", {})
