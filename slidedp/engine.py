@@ -68,7 +68,8 @@ from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Off
                                  measure_costs, offload_bytes)
 from slidedp.config import EmbeddingUpdate, SlideDPConfig
 from slidedp.delivery import Delivery
-from slidedp.gpu_update import PREFETCH_AT_BLOCK, GpuUpdate, check_gpu_updates, gpu_updated_units
+from slidedp.gpu_update import (PREFETCH_AT_BLOCK, STATE_REGIONS, GpuUpdate, check_gpu_updates,
+                                gpu_updated_units)
 from slidedp.host_state import (Hold, HostStatePlan, SharedHostState, StepAborted,
                                 available_host_bytes, host_state_bytes, updates_deferred)
 from slidedp.layout import StateLayout, Unit, chunk_elems
@@ -268,11 +269,13 @@ class SlideDPBackend:
         check_gpu_updates(cfg, grad_accum_steps=self._accum_steps, n_layers=self.args.n_layers)
         self._drain()
         self.cfg = cfg
+        units = gpu_updated_units(cfg)
+        self.state.pin_units(sorted(units), STATE_REGIONS)
         self.gpu_updates = {
             index: GpuUpdate(self.state, self.streams, self.optimizer.hyper,
                              self.layout.units[index], rank=self.rank, world=self.world,
                              traffic=self.traffic, resident=resident)
-            for index, resident in gpu_updated_units(cfg).items()}
+            for index, resident in units.items()}
 
     def _set_cpu_threads(self, threads: int) -> None:
         """slidedp.cpu_threads (0: this rank's share of the cores). Pending updates finish first,

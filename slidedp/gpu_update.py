@@ -72,8 +72,15 @@ def gpu_updated_units(cfg: SlideDPConfig) -> dict[int, bool]:
     return units
 
 
+STATE_REGIONS = ("master", "exp_avg", "exp_avg_sq")
+"""The host regions a GPU update copies to and from the GPU: pinned (SharedHostState.pin_units)
+over all its units before they are built, so the copies are DMA on the stream, not staged by
+the issuing thread."""
+
+
 class GpuUpdate:
-    """AdamW of one unit's shard (this rank's) on the GPU; one step at a time."""
+    """AdamW of one unit's shard (this rank's) on the GPU; one step at a time. Its units' ranges
+    of STATE_REGIONS are pinned first."""
 
     def __init__(self, state: SharedHostState, streams: Streams, hyper: AdamHyper, unit: Unit, *,
                  rank: int, world: int, traffic: Traffic, resident: bool = False):
@@ -82,8 +89,6 @@ class GpuUpdate:
         self._ahead = False  # resident: the GPU's FP32 state is newer than the host's
         self.lo, self.hi = unit.shard(rank, world)
         self.stream = streams.new_stream()
-        # Pinned, so the copies are DMA on the stream, not staged by the issuing thread.
-        state.pin_unit(unit.index, ("master", "exp_avg", "exp_avg_sq"))
         self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._home: torch.cuda.Event | None = None
 
@@ -108,7 +113,7 @@ class GpuUpdate:
             allocated = self.streams.record()
             with self.streams.use(self.stream):
                 self.streams.wait(allocated, self.stream)
-                for copy, region in zip(copies, ("master", "exp_avg", "exp_avg_sq")):
+                for copy, region in zip(copies, STATE_REGIONS):
                     if self.streams.is_cuda:
                         copy.record_stream(self.stream)
                     copy.copy_(self.state.unit_view(region, self.unit.index, a, b),

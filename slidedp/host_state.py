@@ -207,14 +207,14 @@ class HostLock:
         os.close(self._fd)
 
 
-def uncovered(spans: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
-    """The parts of [start, end) that no range of `spans` (disjoint) covers, in order."""
-    gaps = []
-    for a, b in sorted(spans) + [(end, end)]:
-        if start < min(a, end):
-            gaps.append((start, min(a, end)))
-        start = max(start, b)
-    return gaps
+def widened(spans: list[tuple[int, int]], start: int, end: int
+            ) -> tuple[tuple[int, int], list[tuple[int, int]]] | None:
+    """The one registration that covers [start, end) and every range of `spans` (disjoint) it
+    overlaps, with those ranges (to unregister first); None if one range covers it already."""
+    if any(a <= start and end <= b for a, b in spans):
+        return None
+    absorbed = [(a, b) for a, b in spans if a < end and start < b]
+    return (min([start] + [a for a, _ in absorbed]), max([end] + [b for _, b in absorbed])), absorbed
 
 
 class SharedHostState:
@@ -263,22 +263,32 @@ class SharedHostState:
                     self._registered.append(register_host(self.regions[name]))
                     self._pinned[name] = [(0, self.regions[name].numel())]
 
-    def pin_unit(self, unit_index: int, regions: tuple[str, ...]) -> None:
-        """Register a unit's range of `regions` as pinned memory too (the GPU update copies them
-        to and from the GPU), unless already registered; nothing without `pin`."""
+    def pin_units(self, indices: list[int], regions: tuple[str, ...]) -> None:
+        """Register the units' ranges of `regions` as pinned memory too (the GPU updates copy
+        them to and from the GPU), as one range per region from the first unit to the last,
+        widened over any registered range it overlaps; nothing without `pin`. One range: a copy
+        that straddles two registrations is refused (invalid argument), and neighbouring units
+        share their boundary pages, which CUDA registers once."""
+        if not self._pin or not indices:
+            return
+        units = [self.layout.units[i] for i in indices]
         for name in regions:
-            if not self._pin:
-                return
-            # Whole pages: the region starts on a page, the unit's range need not. Only the
-            # pages not registered yet (a neighbour's range may hold the boundary ones).
-            base, unit = self.regions[name], self.layout.units[unit_index]
-            page = 4096 // base.element_size()
-            start = unit.host_offset // page * page
-            end = min(base.numel(), -(-(unit.host_offset + unit.padded) // page) * page)
+            base = self.regions[name]
+            page = 4096 // base.element_size()  # whole pages: the region starts on one
+            start = min(u.host_offset for u in units) // page * page
+            end = min(base.numel(),
+                      -(-max(u.host_offset + u.padded for u in units) // page) * page)
             spans = self._pinned.setdefault(name, [])
-            for a, b in uncovered(spans, start, end):
-                self._registered.append(register_host(base[a:b]))
-                spans.append((a, b))
+            if (change := widened(spans, start, end)) is None:
+                continue
+            (start, end), absorbed = change
+            for a, b in absorbed:  # no copy uses them: the GPU updates are drained
+                ptr = base[a:b].data_ptr()
+                unregister_host(ptr)
+                self._registered.remove(ptr)
+                spans.remove((a, b))
+            self._registered.append(register_host(base[start:end]))
+            spans.append((start, end))
 
     def __getattr__(self, name: str) -> torch.Tensor:
         regions = self.__dict__.get("regions", {})

@@ -908,13 +908,13 @@ def test_reconfigure_checks_each_knob_against_the_routes_in_force():
         Knobs(keep_blocks=2)
 
 
-def test_pinning_a_unit_registers_only_pages_not_registered_yet():
-    """Neighbouring units share their boundary pages and CUDA refuses to register a page twice
-    (the GPU updates of the embedding and the first blocks pin adjacent ranges): what is left
-    to register is the part of a range no earlier one covers."""
-    from slidedp.host_state import uncovered
+def test_pinning_units_makes_one_registration_widened_over_those_it_overlaps():
+    """A copy that straddles two cudaHostRegister ranges is refused, and CUDA registers a page
+    once: the GPU updates' units are pinned as one range, and a later one that overlaps
+    registered ranges replaces them with their union."""
+    from slidedp.host_state import widened
 
-    assert uncovered([], 0, 8) == [(0, 8)]
-    assert uncovered([(0, 4)], 0, 8) == [(4, 8)]
-    assert uncovered([(2, 4), (6, 7)], 0, 8) == [(0, 2), (4, 6), (7, 8)]
-    assert uncovered([(0, 16)], 4, 8) == [] and uncovered([(8, 12)], 0, 4) == [(0, 4)]
+    assert widened([], 0, 8) == ((0, 8), [])
+    assert widened([(0, 16)], 4, 8) is None
+    assert widened([(0, 4), (10, 12)], 2, 8) == ((0, 8), [(0, 4)])
+    assert widened([(0, 4), (6, 12)], 2, 8) == ((0, 12), [(0, 4), (6, 12)])
