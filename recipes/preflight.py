@@ -58,8 +58,9 @@ def check_world(config: JobConfig, *, world: int) -> None:
                           f'use "fsdp2" or "slidedp" (./run_train.sh picks "{MULTI_RANK_MODE}")')
 
 
-def check_mode_options(config: JobConfig, args: QwenArgs) -> None:
-    """Options of one mode only where that mode runs (for the model `args`); for "deepspeed",
+def check_mode_options(config: JobConfig, args: QwenArgs, *, world: int) -> None:
+    """Options of one mode only where that mode runs (for the model `args` on `world` ranks);
+    for "deepspeed",
     the package is installed (found, not imported: that takes seconds) and the run asks nothing
     the mode does not do."""
     mode = config.parallelism.mode
@@ -69,7 +70,7 @@ def check_mode_options(config: JobConfig, args: QwenArgs) -> None:
     if mode == "slidedp":
         try:
             check_gpu_updates(config.slidedp, grad_accum_steps=config.training.grad_accum_steps,
-                              n_layers=args.n_layers)
+                              n_layers=args.n_layers, world=world)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if mode != "deepspeed":
@@ -327,7 +328,7 @@ def check_run(config: JobConfig, *, world: int, device: torch.device,
     them while tokenizing."""
     check_world(config, world=world)
     name, args = resolve_model(config)
-    check_mode_options(config, args)
+    check_mode_options(config, args, world=world)
     check_seq_len(config.training.seq_len, args)
     if config.model.hf_dir:
         _check_hf_dir(config.model.hf_dir, args)

@@ -62,10 +62,11 @@ class SlideDPConfig:
     reduction = "gpu"; slidedp/gpu_update.py) or "resident" (its FP32 master and moments stay
     on the GPU and update there; the host copy is refreshed only for saves)."""
     gpu_state_blocks: Annotated[int, at_least(0)] = 0
-    """The first N blocks keep their FP32 master and Adam moments (this rank's shard, 12 B/param)
-    in GPU memory and update there with torch's fused AdamW, the host copy refreshed only for
-    saves: the next forward needs them first, so under clipping it no longer waits for their
-    CPU updates. One micro-batch, reduction = "gpu" (slidedp/gpu_update.py)."""
+    """The first N blocks keep their FP32 master and Adam moments and a BF16 copy (this rank's
+    shard, 14 B/param) in GPU memory, update there with torch's fused AdamW and are delivered
+    from there, the host copy refreshed only for saves: the next forward needs them first, so
+    under clipping it no longer waits for their CPU updates. One micro-batch, reduction = "gpu",
+    delivery = "sharded" on several ranks (slidedp/gpu_update.py)."""
     bf16_shadow: bool = True
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
     as the delivery source (half the H2D bytes; without it the FP32 master is copied and cast on

@@ -56,12 +56,22 @@ class Delivery:
             counters = counters[self.rank:self.rank + 1]
         self.state.wait_counter(counters, version, what=f"version of unit {unit.index}")
 
-    def deliver(self, unit: Unit, dst: torch.Tensor) -> torch.cuda.Event | None:
+    def deliver(self, unit: Unit, dst: torch.Tensor,
+                on_gpu: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+                ) -> torch.cuda.Event | None:
         """Copy `unit` into `dst` (flat bf16, unit.padded elements); returns the event that marks
-        its arrival on the device."""
+        its arrival on the device. `on_gpu`: this rank's shard already on the GPU in BF16 (a
+        resident unit, slidedp/gpu_update.py) and the event it is complete at, copied on the
+        device instead of from the host."""
         lo, hi = (0, unit.padded) if self.route == "replicated" else unit.shard(self.rank, self.world)
         with self.streams.use(self.stream):
-            for start in range(lo, hi, self.chunk):
+            if on_gpu is not None:  # one rank, or sharded: the shard is all this rank copies
+                source, ready = on_gpu
+                self.streams.wait(ready, self.stream)
+                if self.streams.is_cuda:  # freed by an invalidate, it waits for this copy
+                    source.record_stream(self.stream)
+                dst[lo:hi].copy_(source)
+            for start in range(lo, hi, self.chunk) if on_gpu is None else ():
                 end = min(start + self.chunk, hi)
                 if self.fp32_staging is None:
                     dst[start:end].copy_(self.state.unit_view(self.source, unit.index, start, end),
@@ -71,7 +81,8 @@ class Delivery:
                 staged.copy_(self.state.unit_view("master", unit.index, start, end),
                              non_blocking=True)
                 dst[start:end].copy_(staged)  # the cast, on the device
-            self.traffic.h2d += (hi - lo) * (2 if self.fp32_staging is None else 4)
+            if on_gpu is None:
+                self.traffic.h2d += (hi - lo) * (2 if self.fp32_staging is None else 4)
             if self.route == "sharded" and self.world > 1:
                 all_gather_single(dst[:unit.padded], dst[lo:hi], group=self.group)
                 self.traffic.all_gather += (unit.padded - (hi - lo)) * 2

@@ -120,7 +120,8 @@ class SlideDPBackend:
                                          reduction=cfg.reduction)
         self.layout = StateLayout(model_args, world=dp_world, sole_owner=self.style.sole_owner)
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
-        check_gpu_updates(cfg, grad_accum_steps=tr.grad_accum_steps, n_layers=model_args.n_layers)
+        check_gpu_updates(cfg, grad_accum_steps=tr.grad_accum_steps, n_layers=model_args.n_layers,
+                          world=dp_world)
         needs = dict(grad_accum_steps=tr.grad_accum_steps, max_norm=tr.max_norm,
                      nonfinite=tr.nonfinite)
         plan = HostStatePlan.for_run(cfg, **needs)
@@ -239,8 +240,9 @@ class SlideDPBackend:
         chunk of the copy and update pipelines as well. A peer runtime style runs its own routes
         only."""
         self.style.check_routes(delivery, reduction)
-        check_gpu_updates(replace(self.cfg, reduction=reduction),
-                          grad_accum_steps=self._accum_steps, n_layers=self.args.n_layers)
+        check_gpu_updates(replace(self.cfg, delivery=delivery, reduction=reduction),
+                          grad_accum_steps=self._accum_steps, n_layers=self.args.n_layers,
+                          world=self.world)
         if reduction == "cpu" and not self.state.plan.cpu_staging:
             raise ValueError("reduction='cpu' needs the host staging region: start with "
                              "slidedp.reduction = 'cpu'")
@@ -266,7 +268,8 @@ class SlideDPBackend:
         """slidedp.embedding_update, with slidedp.gpu_state_blocks; pending updates finish first,
         where they were to run, and resident state goes home (the new ones fetch it)."""
         cfg = replace(self.cfg, embedding_update=where)
-        check_gpu_updates(cfg, grad_accum_steps=self._accum_steps, n_layers=self.args.n_layers)
+        check_gpu_updates(cfg, grad_accum_steps=self._accum_steps, n_layers=self.args.n_layers,
+                          world=self.world)
         self._drain()
         self.cfg = cfg
         units = gpu_updated_units(cfg)
@@ -444,8 +447,12 @@ class SlideDPBackend:
         unit = self.layout.units[use.unit]
         with self._timed("gate_wait_s"):
             self.delivery.wait_version(unit, version)
+        # A resident unit's shard is on the GPU once its state is (read after the gate: the
+        # version's update is issued by then).
+        g = self.gpu_updates.get(unit.index)
         with self._timed("deliver_s"):
-            return self.delivery.deliver(unit, self.buffers[use.buffer])
+            return self.delivery.deliver(unit, self.buffers[use.buffer],
+                                         g.delivery_source() if g is not None else None)
 
     def _submit_deliveries(self, uses: list[Use]) -> None:
         self._released, self._delivered = [], []

@@ -13,12 +13,15 @@ update: the same gradient, clipping coefficient, learning rate and step count.
 
 Resident (slidedp.embedding_update = "resident", and the first slidedp.gpu_state_blocks blocks):
 the copies are the unit's optimizer state, kept on the GPU from the first update on (ZeRO-Offload++'s
-partial offload, per unit). Each update moves only the delivery source home (2 B/param with the
-shadow); the FP32 master and moments are copied home only when the host's copy must be current
+partial offload, per unit), with a BF16 copy of the shard that each update writes and the unit's
+delivery reads on the GPU (`delivery_source`): nothing crosses PCIe per step, and the version
+gate opens as soon as the update is issued (the copy waits for it on the device). The host's
+master, moments and shadow are brought up to date only when the host's copy must be current
 (`wait_home`: saves, reconfiguration, the end), and fetched again after the host state changed
-(`invalidate`: a load, an optimizer reset). 12 B/param of GPU memory buy an update that never
+(`invalidate`: a load, an optimizer reset). 14 B/param of GPU memory buy an update that never
 waits for the CPU Adam: with clipping, the updates wait for the step's norm, and the host
-updates of the first blocks the next forward needs are its wait.
+updates of the first blocks the next forward needs are its wait. Peers' deliveries read only
+their own shards (slidedp.delivery = "sharded", or one rank).
 
 On the CPU (tests) the "device" copies are ordinary tensors and every copy is synchronous.
 """
@@ -43,8 +46,10 @@ GPU_CHUNK = 1 << 26
 """Elements per piece of the update: bounds its FP32 gradient temporary (256 MiB)."""
 
 
-def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: int) -> None:
-    """Refuse what the GPU update cannot serve, before anything is allocated."""
+def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: int,
+                      world: int) -> None:
+    """Refuse what the GPU update cannot serve on `world` ranks, before anything is
+    allocated."""
     if cfg.embedding_update not in get_args(EmbeddingUpdate):
         raise ValueError(f"slidedp.embedding_update must be one of {get_args(EmbeddingUpdate)}, "
                          f"got {cfg.embedding_update!r}")
@@ -61,6 +66,11 @@ def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: in
         raise ValueError(f'{what} needs slidedp.runtime = "slidedp", slidedp.reduction = "gpu" '
                          f'and training.grad_accum_steps = 1 (got {cfg.runtime!r}, '
                          f'{cfg.reduction!r}, {grad_accum_steps})')
+    if world > 1 and cfg.delivery == "replicated" and any(gpu_updated_units(cfg).values()):
+        # A resident unit's new weights stay on its owner's GPU: peers cannot copy that shard.
+        raise ValueError('resident optimizer state (slidedp.gpu_state_blocks > 0, or '
+                         'slidedp.embedding_update = "resident") on several ranks needs '
+                         'slidedp.delivery = "sharded"')
 
 
 def gpu_updated_units(cfg: SlideDPConfig) -> dict[int, bool]:
@@ -91,6 +101,9 @@ class GpuUpdate:
         self.stream = streams.new_stream()
         self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._home: torch.cuda.Event | None = None
+        # Resident: the shard in BF16 on the GPU, and the event after its last write.
+        self._weights: torch.Tensor | None = None
+        self._weights_ready: torch.cuda.Event | None = None
 
     def prefetch(self) -> None:
         """Copy the shard's master and moments to the GPU on the update stream (compute thread,
@@ -120,6 +133,16 @@ class GpuUpdate:
                                non_blocking=True)
             pieces.append((a, b, *copies))
         self.traffic.gpu_update_h2d += (self.hi - self.lo) * 12
+        if self.resident:  # the delivery source, cast on the GPU as the shadow was on the host
+            weights = torch.empty(self.hi - self.lo, dtype=torch.bfloat16,
+                                  device=self.streams.device)
+            with self.streams.use(self.stream):
+                if self.streams.is_cuda:
+                    weights.record_stream(self.stream)
+                for a, b, param, _, _ in pieces:
+                    weights[a - self.lo:b - self.lo].copy_(param)
+                self._weights_ready = self.streams.record(self.stream)
+            self._weights = weights
         self._pieces = pieces
 
     def drop(self) -> None:
@@ -131,13 +154,20 @@ class GpuUpdate:
     def invalidate(self) -> None:
         """The host state changed (a load, an optimizer reset): the next update fetches it."""
         Streams.synchronize(self._home)
-        self._pieces, self._ahead = None, False
+        Streams.synchronize(self._weights_ready)
+        self._pieces, self._ahead, self._weights = None, False, None
+
+    def delivery_source(self) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
+        """Resident, once fetched: the shard in BF16 on the GPU and the event its copy must wait
+        for (the last update's). Else None: the delivery reads the host."""
+        return None if self._weights is None else (self._weights, self._weights_ready)
 
     def update(self, grad: torch.Tensor, ready: torch.cuda.Event | None, *, coef: float,
                lr: float, step: int) -> None:
         """AdamW of the shard with `grad` (its BF16 summed gradient on the GPU, complete at
         `ready`) scaled by `coef`, at Adam step `step`. Returns once the delivery source is
-        home (the caller then opens the version gate); the FP32 state follows (`wait_home`)."""
+        home (resident: once the update is issued; the source is on the GPU), and the caller
+        then opens the version gate; the FP32 state follows (`wait_home`)."""
         self.prefetch()  # issued at PREFETCH_AT_BLOCK unless the model has fewer blocks
         pieces = self._pieces
         if not self.resident:
@@ -156,36 +186,41 @@ class GpuUpdate:
                 adamw([param], [g], [exp_avg], [exp_avg_sq], [], [count], fused=True,
                       amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=lr,
                       weight_decay=h.weight_decay, eps=h.eps, maximize=False)
+                if self.resident:
+                    self._weights[a - self.lo:b - self.lo].copy_(param)
+                    continue
                 target = self.state.unit_view(source, self.unit.index, a, b)
                 target.copy_(param if source == "master" else param.to(torch.bfloat16),
                              non_blocking=True)
             source_home = self.streams.record(self.stream)
-            if self.resident:
-                self._home, self._ahead = source_home, True
+        if self.resident:
+            self._weights_ready, self._ahead = source_home, True
+            return
         self.traffic.gpu_update_d2h += (self.hi - self.lo) * (2 if source == "shadow" else 4)
-        if not self.resident:
-            self._copy_home(pieces)
+        self._copy_home(pieces, skip=source)
         Streams.synchronize(source_home)
 
-    def _copy_home(self, pieces) -> None:
-        """The FP32 state other than the delivery source to host memory, on the update stream;
-        `_home` is recorded after it."""
-        source = "shadow" if self.state.plan.bf16_shadow else "master"
+    def _copy_home(self, pieces, *, skip: str | None) -> None:
+        """The state to host memory on the update stream, but for region `skip` (already home):
+        the FP32 master and moments, and the shadow from the resident BF16 copy; `_home` is
+        recorded after it."""
         with self.streams.use(self.stream):
             for a, b, param, exp_avg, exp_avg_sq in pieces:
-                for copy, region in ((param, "master"), (exp_avg, "exp_avg"),
-                                     (exp_avg_sq, "exp_avg_sq")):
-                    if region != source:
+                copies = [(param, "master"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")]
+                if self._weights is not None and self.state.plan.bf16_shadow:
+                    copies.append((self._weights[a - self.lo:b - self.lo], "shadow"))
+                for copy, region in copies:
+                    if region != skip:
                         self.state.unit_view(region, self.unit.index, a, b).copy_(
                             copy, non_blocking=True)
+                        self.traffic.gpu_update_d2h += (b - a) * copy.element_size()
             self._home = self.streams.record(self.stream)
-        self.traffic.gpu_update_d2h += (self.hi - self.lo) * (12 if source == "shadow" else 8)
 
     def wait_home(self) -> None:
-        """Block until the unit's FP32 state is in host memory: the last update's copies, or,
+        """Block until the unit's state is in host memory: the last update's copies, or,
         resident, copies issued now if the GPU's state is ahead (the caller holds the unit's
         next update back until this returns)."""
         if self.resident and self._ahead:
-            self._copy_home(self._pieces)
+            self._copy_home(self._pieces, skip=None)
             self._ahead = False
         Streams.synchronize(self._home)

@@ -356,8 +356,9 @@ def test_units_updated_on_the_device(request, slidedp_runs, run):
         assert r["updated_units"] and not set(on_gpu) & set(r["updated_units"]), v
         shard_mb = {i: units[i].padded // case.world / 2**20 for i in on_gpu}
         shadow = v.get("bf16_shadow", True)
-        # Per update: resident, the delivery source; streamed, the FP32 state and the shadow.
-        home = {True: 2 if shadow else 4, False: 14 if shadow else 12}
+        # Per update: resident, nothing (the delivery reads the GPU's copy); streamed, the FP32
+        # state and the shadow.
+        home = {True: 0, False: 14 if shadow else 12}
         per_step = sum(mb * home[on_gpu[i]] for i, mb in shard_mb.items())
         # Each counted by the report of the step during which it ran: the last step's updates
         # may come after the last report; the streamed state comes during backward, every step.
@@ -390,7 +391,8 @@ _GPU_STATE = {"embedding_update": "host", "gpu_state_blocks": 2}
     ({"reduction": "cpu"}, 1, "embedding_update"), ({}, 2, "embedding_update"),
     ({"runtime": "megatrain"}, 1, "embedding_update"),
     ({**_GPU_STATE, "reduction": "cpu"}, 1, "gpu_state_blocks > 0 needs"),
-    ({**_GPU_STATE, "gpu_state_blocks": 5}, 1, "gpu_state_blocks: 5 is not within")])
+    ({**_GPU_STATE, "gpu_state_blocks": 5}, 1, "gpu_state_blocks: 5 is not within"),
+    ({**_GPU_STATE, "delivery": "replicated"}, 1, 'several ranks needs slidedp.delivery = "sharded"')])
 def test_updates_on_the_device_refuse_what_they_cannot_serve(change, accum, said):
     """Said by the preflight check, and by the backend before it allocates anything."""
     from recipes.config import ConfigError
@@ -400,7 +402,14 @@ def test_updates_on_the_device_refuse_what_they_cannot_serve(change, accum, said
     cfg = make_config({"embedding_update": "gpu", **change}, accum=accum, max_norm=0.0)
     cfg.parallelism.mode = "slidedp"
     with pytest.raises(ConfigError, match=said):
-        check_mode_options(cfg, get_flavor("qwen3-debug"))
+        check_mode_options(cfg, get_flavor("qwen3-debug"), world=2)
+    if "several ranks" in said:  # the backend's own check, on the ranks it would run on
+        from slidedp.gpu_update import check_gpu_updates
+
+        check_gpu_updates(cfg.slidedp, grad_accum_steps=1, n_layers=4, world=1)
+        with pytest.raises(ValueError, match=said):
+            check_gpu_updates(cfg.slidedp, grad_accum_steps=1, n_layers=4, world=2)
+        return
     with pytest.raises(ValueError, match=said):
         SlideDPBackend(cfg, get_flavor("qwen3-debug"), device=torch.device("cpu"), dp_rank=0,
                        dp_world=1)

@@ -213,7 +213,8 @@ def main() -> None:
     try:  # the flavor with the RoPE scaling flags, and --seq within its positions
         args = resolve_model(_config(a, "sharded/gpu"))[1]
         check_seq_len(a.seq, args)
-        check_mode_options(_config(a, "sharded/gpu"), args)  # e.g. deepspeed not installed
+        check_mode_options(_config(a, "sharded/gpu"), args,  # e.g. deepspeed not installed
+                           world=int(os.environ.get("WORLD_SIZE", "1")))
         if a.mode == "deepspeed" and "," in a.accum:
             raise ConfigError("--accum: deepspeed takes one micro-batch count per build")
         if set(a.update_order.split(",")) - set(UPDATE_ORDERS):
