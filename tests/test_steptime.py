@@ -201,7 +201,26 @@ def test_the_embeddings_deferred_update_on_the_gpu_comes_first_after_the_norm():
         14 * EMBED / 20e9 - 2 * EMBED / 20e9)
 
 
-def test_the_embeddings_update_on_the_gpu_needs_the_gpu_route_and_one_micro_batch():
+def test_updates_on_the_gpu_need_the_gpu_route_and_one_micro_batch():
     for change in (dict(reduction="cpu"), dict(micro_batches=2)):
-        with pytest.raises(ValueError, match="embedding's update on the GPU"):
-            simulate_step(spec(embedding_on_gpu=True, **change), rates())
+        for where in (dict(embedding_on_gpu=True), dict(resident_units=frozenset({0, 1}))):
+            with pytest.raises(ValueError, match="updates on the GPU need"):
+                simulate_step(spec(**where, **change), rates())
+
+
+def test_resident_state_takes_the_updates_and_the_deliveries_off_the_host():
+    """Every unit but the head resident on the GPU, with clipping: the host updates nothing but
+    the head, and no gradient goes home; the deliveries are copies on the GPU (4 B/param of its
+    memory), so the links carry only the head's; the step comes down to the GPU's work."""
+    r, s, host, _ = embedding_cases(deferred=True, grad_accum=True)
+    resident = simulate_step(replace(s, resident_units=frozenset(range(5))), r)
+    assert resident.step_s < host.step_s and resident.regime == "gpu-bound"
+    head = s.unit_elems[-1]
+    assert resident.demand_s["cpu update"] == pytest.approx(
+        head / r.adam(s.threads) * ADAM_BYTES["fp32"] / ADAM_BYTES["bf16"]
+        + head / r.grad_sum(s.threads), rel=1e-6)
+    assert resident.demand_s["h2d per GPU"] == pytest.approx(2 * head / 20e9)
+    assert resident.demand_s["d2h per GPU"] == pytest.approx(2 * head / 20e9)
+    gpu_extra = sum(e * GPU_ADAM_BYTES + 4 * e for e in s.unit_elems[:5]) / 4000e9
+    assert resident.demand_s["gpu compute"] - host.demand_s["gpu compute"] == pytest.approx(
+        gpu_extra, rel=1e-6)

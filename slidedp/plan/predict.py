@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from models.args import QwenArgs
 from slidedp.activations import ActivationPolicy, block_policies
+from slidedp.gpu_update import gpu_updated_units
 from slidedp.host_state import HostStatePlan, host_state_regions, updates_deferred
 from slidedp.layout import StateLayout, chunk_elems
 from slidedp.peer_styles import RUNTIME_STYLES
@@ -74,7 +75,8 @@ def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, 
         work=work.micro_batch(policies, batch), offload=tuple(p.offload for p in policies),
         offload_bytes=tuple(offloaded[p] for p in policies),
         tokens=batch * tr.seq_len * tr.grad_accum_steps * world, schedule=schedule,
-        kernels=kernels, embedding_on_gpu=s.embedding_update == "gpu")
+        kernels=kernels, embedding_on_gpu=s.embedding_update == "gpu",
+        resident_units=frozenset(u for u, resident in gpu_updated_units(s).items() if resident))
 
 
 def state_plan(config) -> HostStatePlan:

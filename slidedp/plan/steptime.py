@@ -28,7 +28,11 @@ With the embedding's AdamW on the GPU (slidedp/gpu_update.py) its shard's FP32 m
 go to the GPU when backward reaches block PREFETCH_AT_BLOCK; its reduced gradient stays there; the
 GPU updates it when the update is due (at once, or first after the norm), the delivery source
 goes home, which the update thread waits for and which opens the version gate, and the rest of
-the state follows on the same stream.
+the state follows on the same stream. Units whose state is resident on the GPU (slidedp.gpu_state_blocks,
+embedding_update = "resident") are updated there too, first after the norm, but nothing goes
+home: the update thread only issues the update, the version gate waits for it on the device,
+and the unit's delivery is a copy on the GPU from its BF16 copy (the first simulated step, before
+the state is there, delivers from the host).
 
 SlideFormer's data parallelism (its published design, docs/DESIGN.md §4 of the brief) is the
 `schedule = "slideformer"` variant: replicated delivery cast from FP32 on the CPU, every rank
@@ -58,9 +62,9 @@ ADAM_BYTES = {"bf16": 28, "fp32": 30}
 """Host bytes per parameter of one AdamW pass, by gradient dtype (read p, m, v, g; write p, m,
 v and the BF16 shadow)."""
 GPU_ADAM_BYTES = 40
-"""Device bytes per parameter of the embedding's AdamW on the GPU (GpuUpdate.update): the
-gradient cast to FP32 (6), the fused AdamW (read p, g, m, v, write p, m, v: 28), the BF16
-copy of the weights sent home (6)."""
+"""Device bytes per parameter of an AdamW on the GPU (GpuUpdate.update): the gradient cast to
+FP32 (6), the fused AdamW (read p, g, m, v, write p, m, v: 28), the BF16 copy of the weights
+(6: sent home, or written to the resident copy)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,11 @@ class StepSpec:
     kernels: str = ""
     """The model's kernels ("liger", "torch"), for the advice."""
     embedding_on_gpu: bool = False
-    """The embedding's AdamW runs on the GPU (slidedp.embedding_update = "gpu")."""
+    """The embedding's AdamW runs on the GPU, its state streamed there each step
+    (slidedp.embedding_update = "gpu")."""
+    resident_units: frozenset[int] = frozenset()
+    """Units whose optimizer state and a BF16 copy stay on the GPU (0 the embedding, 1 + i block
+    i: slidedp.gpu_state_blocks, embedding_update = "resident")."""
 
     @property
     def n_blocks(self) -> int:
@@ -158,10 +166,10 @@ class _Builder:
     def __init__(self, spec: StepSpec, rates: Rates):
         if spec.schedule == "slideformer" and (spec.delivery, spec.reduction) != ("replicated", "cpu"):
             raise ValueError("the slideformer schedule delivers replicated and reduces on the cpu")
-        if spec.embedding_on_gpu and (spec.schedule, spec.reduction, spec.micro_batches) != (
-                "slidedp", "gpu", 1):
-            raise ValueError("the embedding's update on the GPU needs the slidedp schedule, "
-                             "reduction gpu and one micro-batch")
+        if (spec.embedding_on_gpu or spec.resident_units) and (
+                spec.schedule, spec.reduction, spec.micro_batches) != ("slidedp", "gpu", 1):
+            raise ValueError("updates on the GPU need the slidedp schedule, reduction gpu and "
+                             "one micro-batch")
         self.spec, self.rates = spec, rates
         R = spec.world
         caps = {"host_h2d": rates.h2d_together_gbs * 1e9 * R,
@@ -304,6 +312,12 @@ class _Builder:
             issue = self.add(f"dthread:{r}", deps=[submit[r], rk.release_host.get(use.buffer), *gate],
                              kind="gate")
             release = rk.release_gpu.get(use.buffer)
+            if use.unit in spec.resident_units and self.step > 0:  # from its GPU copy
+                seconds = 4 * size / (self.rates.hbm_gbs * 1e9)  # read and write 2 B/elem
+                arrival = self.add(f"dstream:{r}", deps=[issue, release],
+                                   work={f"gpu:{r}": seconds}, kind="d2d")
+                out.append((issue, arrival))
+                continue
             if spec.bf16_shadow:
                 arrival = self.copy(f"dstream:{r}", r, 2 * size, "h2d", [issue, release], kind="h2d",
                                     n_chunks=len(chunks(size, spec.chunk_elems)))
@@ -350,8 +364,11 @@ class _Builder:
                 reduced = [self.add("rstream:0", deps=[starts[0], gpu[0]], kind="issue")]
             for r in range(R):
                 if self._on_gpu(unit):  # the reduced shard waits on the GPU for its update
-                    end = self._gpu_update(r, [reduced[r]]) if update else reduced[r]
-                    self._job_done(r, unit, end, update)
+                    end, ready = (self._gpu_update(r, unit, [reduced[r]]) if update
+                                  else (reduced[r], reduced[r]))
+                    self.ranks[r].jobs.append(end)
+                    if update:
+                        self.ranks[r].updated[unit] = ready
                     continue
                 copies = [self.copy(f"rstream:{r}", r, 2 * n, "d2h", [reduced[r]], kind="d2h")
                           for n in chunks(elems // R, spec.chunk_elems)]  # issued at once
@@ -413,7 +430,7 @@ class _Builder:
             self.ranks[0].updated[unit] = barrier
 
     def _on_gpu(self, unit: int) -> bool:
-        return unit == 0 and self.spec.embedding_on_gpu
+        return unit in self.spec.resident_units or (unit == 0 and self.spec.embedding_on_gpu)
 
     def _state_copy(self, r: int, per_elem: int, direction: str, deps) -> int:
         """`per_elem` bytes per element of rank r's embedding shard between the host and its GPU
@@ -423,17 +440,23 @@ class _Builder:
         return self.copy(f"gstream:{r}", r, per_elem * shard, direction, deps, kind=direction,
                          n_chunks=len(chunks(shard, GPU_CHUNK)) * -(-per_elem // 4))
 
-    def _gpu_update(self, r: int, deps) -> int:
-        """The embedding's AdamW on rank r's GPU (engine: GpuUpdate.update), then its delivery
-        source home, which the update thread waits for (the returned task: the update's end)
-        and the rest of its state after it."""
-        shard, shadow = self.spec.unit_elems[0] // self.spec.world, self.spec.bf16_shadow
+    def _gpu_update(self, r: int, unit: int, deps) -> tuple[int, int]:
+        """The unit's AdamW on rank r's GPU (engine: GpuUpdate.update): (the update thread's end
+        of it, what the version gate waits for). Streamed (the embedding): its delivery source
+        goes home, which the update thread waits for, and the rest of its state after it.
+        Resident: the thread only issues it; the gate waits for it on the device."""
+        shard, shadow = self.spec.unit_elems[unit] // self.spec.world, self.spec.bf16_shadow
         seconds = shard * GPU_ADAM_BYTES / (self.rates.hbm_gbs * 1e9)
+        if unit in self.spec.resident_units:
+            issued = self.add(f"uthread:{r}", deps=deps, kind="issue")
+            return issued, self.add(f"gpu:{r}", work={f"gpu:{r}": seconds}, deps=[issued],
+                                    kind="gpu update")
         adam = self.add(f"gpu:{r}", work={f"gpu:{r}": seconds},
                         deps=[*deps, self.ranks[r].state_on_gpu], kind="gpu update")
         home = self._state_copy(r, 2 if shadow else 4, "d2h", [adam])
         self._state_copy(r, 12 if shadow else 8, "d2h", [home])  # waited for by the next prefetch
-        return self.add(f"uthread:{r}", deps=[home], kind="sync")
+        synced = self.add(f"uthread:{r}", deps=[home], kind="sync")
+        return synced, synced
 
     def _deferred_updates(self, step_end: int) -> list[int]:
         """After the norm: every rank updates its shards unit by unit in forward order (the
@@ -442,13 +465,18 @@ class _Builder:
         sf = spec.schedule == "slideformer"
         for r in [0] if sf else range(spec.world):
             prev = [step_end]
-            for unit, elems in enumerate(spec.unit_elems):
-                if self._on_gpu(unit):  # first in the order: the next forward needs it first
-                    prev = [self._gpu_update(r, prev)]
+            # The GPU's first (engine: UpdateQueue), each unit in forward order.
+            order = sorted(range(len(spec.unit_elems)), key=lambda u: not self._on_gpu(u))
+            for unit in order:
+                if self._on_gpu(unit):
+                    end, ready = self._gpu_update(r, unit, prev)
+                    prev = [end]
                 else:
-                    for n in chunks(elems if sf else elems // spec.world, spec.chunk_elems):
+                    for n in chunks(spec.unit_elems[unit] if sf else spec.unit_elems[unit]
+                                    // spec.world, spec.chunk_elems):
                         prev = [self.host_pass(r, n, kind="adam", deps=prev, grad="fp32")]
-                self.ranks[r].updated[unit] = prev[0]
+                    ready = prev[0]
+                self.ranks[r].updated[unit] = ready
             ends.append(prev[0])
         return ends
 
