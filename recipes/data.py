@@ -143,14 +143,21 @@ def _lines(path: Path) -> Iterator[tuple[str, str]]:
 
 
 def _read_json_lines(path: Path) -> Iterator[Document]:
+    """The file's records; blank lines are skipped, and said once per file (a JSONL file has
+    none unless something went wrong while writing it)."""
+    blank: list[str] = []
     for where, line in _lines(path):
         if not line.strip():
+            blank.append(where)
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: malformed JSON ({e.msg})") from None
         yield record_document(record, where=where)
+    if blank:
+        logger.warning("data: %s: skipped %d blank line(s), the first is line %s", path,
+                       len(blank), blank[0].rsplit(":", 1)[1])
 
 
 def _read_text(path: Path) -> Iterator[Document]:

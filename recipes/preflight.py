@@ -291,13 +291,20 @@ def _check_memory(config: JobConfig, args: QwenArgs, *, world: int, device: torc
 
 def _check_writable(key: str, directory: str) -> None:
     """Create the directory and write a file into it: an output folder that cannot be written
-    fails now, not at the first save after hours of training."""
+    fails now, not at the first save after hours of training. What it created goes again: the
+    run creates its folders when it locks them, and a run refused before then leaves none."""
+    path = Path(directory)
+    missing = [p for p in (path, *path.parents) if not p.exists()]  # the deepest first
     try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
         raise ConfigError(f"{key}: cannot write to {directory} ({e.strerror or e})") from None
+    finally:
+        for p in missing:
+            if p.is_dir():
+                p.rmdir()
 
 
 def check_no_earlier_run(config: JobConfig) -> None:

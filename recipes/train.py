@@ -37,7 +37,7 @@ from recipes.model import build_kernels
 from recipes.parallelize import build_backend
 from recipes.preflight import (CheckedRun, check_no_earlier_run, check_run, data_error,
                                load_checked_tokenizer)
-from recipes.run_lock import FolderInUse, lock_run_folders
+from recipes.run_lock import FolderInUse, FolderLock, lock_run_folders
 
 logger = logging.getLogger("recipes")
 
@@ -241,7 +241,7 @@ def _init_distributed(config: JobConfig, device: torch.device, *, world: int) ->
                                 device_id=device_id)
 
 
-def _lock_run_folders(config: JobConfig, *, rank: int, resuming: bool) -> list:
+def _lock_run_folders(config: JobConfig, *, rank: int, resuming: bool) -> list[FolderLock]:
     """Rank 0 locks the run's folders before anything is written, then, for a new run, checks
     that no earlier run left records or saves there (unless job.overwrite); with a process group
     every rank then raises the same one-line ConfigError (FolderInUse if another run holds a
@@ -260,8 +260,8 @@ def _lock_run_folders(config: JobConfig, *, rank: int, resuming: bool) -> list:
         dist.broadcast_object_list(box, src=0)
         error, in_use = box
     if error:
-        for lock in locks:
-            lock.close()
+        for lock in reversed(locks):
+            lock.release()
         raise FolderInUse(error) if in_use else ConfigError(error)
     return locks
 
@@ -294,8 +294,9 @@ def train(config: JobConfig) -> None:
     checked = check_run(config, world=world, device=device, thorough=world == 1)
     if config.parallelism.mode != "single":
         _init_distributed(config, device, world=world)
+    locks = []
     try:
-        locks = _lock_run_folders(config, rank=rank,  # held until they are closed at exit
+        locks = _lock_run_folders(config, rank=rank,  # held until the run ends
                                   resuming=checked.resume_dir is not None)
         if (rank == 0 and config.job.overwrite and checked.resume_dir is None
                 and config.checkpoint.save_dir):
@@ -304,9 +305,9 @@ def train(config: JobConfig) -> None:
                             path)
         with watching_peers(rank=rank, world=world, expected=(ConfigError, NonFiniteStop)):
             _run(config, checked, rank=rank, world=world, device=device)
-        for lock in locks:
-            lock.close()
     finally:
+        for lock in reversed(locks):  # a folder the run created and left unused goes
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -251,3 +251,17 @@ def test_a_corpus_smaller_than_a_sample_is_refused_and_one_smaller_than_a_step_s
     said = [r.getMessage() for r in caplog.records]
     assert sum("fewer than one step's" in m for m in said) == 1, said
     assert not any("begins" in m for m in said), said
+
+
+def test_blank_lines_in_json_lines_are_skipped_and_said_once(tok, tmp_path, caplog):
+    """A JSONL file holds no blank line unless its writing went wrong: the records around it
+    are read, and one warning names the file, the count and the first line, over every epoch."""
+    row = json.dumps({"text": "one two three four five six seven eight nine ten"})
+    (tmp_path / "gaps.jsonl").write_text(f"{row}\n\n{row}\n  \n{row}\n")
+    with caplog.at_level("INFO", logger="recipes.data"):
+        loader = make_loader(tok, tmp_path / "gaps.jsonl", seq_len=8, local_batch_size=2)
+        take(loader, 20)
+    assert loader.epoch > 1
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [m for m in said if "blank" in m] == [
+        f"data: {tmp_path / 'gaps.jsonl'}: skipped 2 blank line(s), the first is line 2"], said

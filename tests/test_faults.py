@@ -105,8 +105,21 @@ def test_a_folder_is_locked_by_its_run(tmp_path):
     with pytest.raises(FolderInUse, match=rf"^checkpoint.save_dir: {folder} is in use by another "
                                           rf"run \(pid {os.getpid()}; lock file {folder}/.lock\)"):
         lock_folder(folder, key="checkpoint.save_dir")  # another open file: another holder
-    locks[0].close()
-    lock_folder(folder, key="checkpoint.save_dir").close()  # free once its holder lets go
+    locks[0].release()  # the folder it created holds nothing else: it goes
+    assert not os.path.exists(folder)
+    lock_folder(folder, key="checkpoint.save_dir").release()  # free once its holder lets go
+
+
+def test_a_released_lock_removes_only_an_unused_folder_it_created(tmp_path):
+    """A folder that existed stays; one the run created stays once anything else is in it."""
+    kept, used = tmp_path / "kept", tmp_path / "used"
+    kept.mkdir()
+    lock_folder(str(kept), key="job.dump_folder").release()
+    assert kept.is_dir() and [p.name for p in kept.iterdir()] == [".lock"]
+    lock = lock_folder(str(used), key="job.dump_folder")
+    (used / "metrics.jsonl").write_text("{}\n")
+    lock.release()
+    assert (used / "metrics.jsonl").read_text() == "{}\n"
 
 
 def test_a_killed_launcher_takes_its_ranks_along(tmp_path):
@@ -140,7 +153,7 @@ def test_a_killed_launcher_takes_its_ranks_along(tmp_path):
         for pid in [launcher.pid, *ranks]:
             kill_process_tree(pid)
     # The folder is free again, and its metrics are whole lines of JSON.
-    lock_folder(str(out), key="job.dump_folder").close()
+    lock_folder(str(out), key="job.dump_folder").release()
     for line in (out / "metrics.jsonl").read_text().splitlines():
         json.loads(line)
 

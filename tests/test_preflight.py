@@ -45,11 +45,16 @@ def files_config(tmp_path, data: str, *flags: str) -> JobConfig:
                       f"--model.tokenizer_dir={TINY}", *flags)
 
 
-def test_a_good_config_passes_and_creates_its_output_folders(tmp_path):
-    config = files_config(tmp_path, f"{TINY}/corpus.jsonl", f"--checkpoint.save_dir={tmp_path}/ck")
+def test_a_good_config_passes_and_leaves_no_output_folder_it_made(tmp_path):
+    """The output folders are checked writable by creating them, and what the check created
+    goes again: the run creates them when it locks them (recipes/run_lock.py)."""
+    existing = tmp_path / "ck"
+    existing.mkdir()
+    config = files_config(tmp_path, f"{TINY}/corpus.jsonl", f"--checkpoint.save_dir={existing}",
+                          f"--job.dump_folder={tmp_path}/a/b/out")
     checked = check_run(config, world=1, device=CPU, thorough=True)
     assert checked.name == "qwen3-debug" and checked.resume_dir is None
-    assert (tmp_path / "out").is_dir() and (tmp_path / "ck").is_dir()
+    assert not (tmp_path / "a").exists() and existing.is_dir()
 
 
 def test_seq_len_above_the_model_positions(tmp_path):

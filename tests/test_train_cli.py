@@ -165,6 +165,18 @@ def test_bad_input_is_one_line_with_any_ngpu(ngpu, flag, expected, malformed_jso
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+def test_a_run_refused_after_locking_its_folders_leaves_none_behind(tmp_path):
+    """A corpus smaller than one sample is found by the rank once it holds its folders' locks:
+    its error last, exit code 2, and the folders it created are gone again."""
+    small = tmp_path / "small.jsonl"
+    small.write_text('{"text": "hello world"}\n')
+    proc = launch(f"--job.dump_folder={tmp_path}/out", f"--checkpoint.save_dir={tmp_path}/hf",
+                  "--training.dataset=files", f"--training.dataset_path={small}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "fewer than one sample" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "hf").exists()
+
+
 def test_ranks_that_find_bad_data_print_it_once(malformed_jsonl, tmp_path):
     """Without run_train.sh's check (plain torchrun), the ranks find the bad line while
     tokenizing: rank 0 alone prints it, every rank exits with code 2 before building a model."""
