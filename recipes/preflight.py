@@ -11,6 +11,7 @@ flags the launch adds on stdout: with more than one rank, mode "single" becomes 
 one-line notice says so).
 """
 
+import errno
 import importlib.util
 import math
 import sys
@@ -290,21 +291,19 @@ def _check_memory(config: JobConfig, args: QwenArgs, *, world: int, device: torc
 
 
 def _check_writable(key: str, directory: str) -> None:
-    """Create the directory and write a file into it: an output folder that cannot be written
-    fails now, not at the first save after hours of training. What it created goes again: the
-    run creates its folders when it locks them, and a run refused before then leaves none."""
+    """Write a file into the directory, or into its nearest existing parent if it does not
+    exist yet: an output folder that cannot be written fails now, not at the first save after
+    hours of training. Nothing is created: the run creates its folders when it locks them, so
+    a run refused before then leaves none (and ranks checking at once do not race)."""
     path = Path(directory)
-    missing = [p for p in (path, *path.parents) if not p.exists()]  # the deepest first
+    where = next(p for p in (path, *path.parents) if p.exists())
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
+        if not where.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(where))
+        with tempfile.TemporaryFile(dir=where):
             pass
     except OSError as e:
         raise ConfigError(f"{key}: cannot write to {directory} ({e.strerror or e})") from None
-    finally:
-        for p in missing:
-            if p.is_dir():
-                p.rmdir()
 
 
 def check_no_earlier_run(config: JobConfig) -> None:
