@@ -145,10 +145,10 @@ def _lines(path: Path) -> Iterator[tuple[str, str]]:
 def _read_json_lines(path: Path) -> Iterator[Document]:
     """The file's records; blank lines are skipped, and said once per file (a JSONL file has
     none unless something went wrong while writing it)."""
-    blank: list[str] = []
+    blank, first_blank = 0, ""
     for where, line in _lines(path):
         if not line.strip():
-            blank.append(where)
+            blank, first_blank = blank + 1, first_blank or where
             continue
         try:
             record = json.loads(line)
@@ -156,8 +156,8 @@ def _read_json_lines(path: Path) -> Iterator[Document]:
             raise DataError(f"{where}: malformed JSON ({e.msg})") from None
         yield record_document(record, where=where)
     if blank:
-        logger.warning("data: %s: skipped %d blank line(s), the first is line %s", path,
-                       len(blank), blank[0].rsplit(":", 1)[1])
+        logger.warning("data: %s: skipped %d blank line(s), the first is line %s", path, blank,
+                       first_blank.rsplit(":", 1)[1])
 
 
 def _read_text(path: Path) -> Iterator[Document]:

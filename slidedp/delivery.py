@@ -71,19 +71,24 @@ class Delivery:
                 if self.streams.is_cuda:  # freed by an invalidate, it waits for this copy
                     source.record_stream(self.stream)
                 dst[lo:hi].copy_(source)
-            for start in range(lo, hi, self.chunk) if on_gpu is None else ():
-                end = min(start + self.chunk, hi)
-                if self.fp32_staging is None:
-                    dst[start:end].copy_(self.state.unit_view(self.source, unit.index, start, end),
-                                         non_blocking=True)
-                    continue
-                staged = self.fp32_staging[:end - start]
-                staged.copy_(self.state.unit_view("master", unit.index, start, end),
-                             non_blocking=True)
-                dst[start:end].copy_(staged)  # the cast, on the device
-            if on_gpu is None:
-                self.traffic.h2d += (hi - lo) * (2 if self.fp32_staging is None else 4)
+            else:
+                self._copy_from_host(unit, dst, lo, hi)
             if self.route == "sharded" and self.world > 1:
                 all_gather_single(dst[:unit.padded], dst[lo:hi], group=self.group)
                 self.traffic.all_gather += (unit.padded - (hi - lo)) * 2
             return self.streams.record(self.stream)
+
+    def _copy_from_host(self, unit: Unit, dst: torch.Tensor, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of `unit` from host memory into `dst`, chunk by chunk, on the
+        delivery stream (the caller's current one)."""
+        for start in range(lo, hi, self.chunk):
+            end = min(start + self.chunk, hi)
+            if self.fp32_staging is None:
+                dst[start:end].copy_(self.state.unit_view(self.source, unit.index, start, end),
+                                     non_blocking=True)
+                continue
+            staged = self.fp32_staging[:end - start]
+            staged.copy_(self.state.unit_view("master", unit.index, start, end),
+                         non_blocking=True)
+            dst[start:end].copy_(staged)  # the cast, on the device
+        self.traffic.h2d += (hi - lo) * (2 if self.fp32_staging is None else 4)

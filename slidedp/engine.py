@@ -592,12 +592,12 @@ class SlideDPBackend:
     def _update_on_gpu(self, route: GradientReturn, returned: Returned, *, coef: float,
                        lr: float, adam_step: int, version: int, tail: _UpdateTail) -> None:
         """The unit's AdamW on the GPU (slidedp/gpu_update.py); its version gate opens once the
-        delivery source is home."""
+        delivery source is home (resident: once the update is issued)."""
         unit = returned.unit
         self._wait_save(unit, version)
         with self._timed("gpu_update_s"):
-            self.gpu_updates[unit.index].update(returned.shard, self.streams.record(route.stream), coef=coef,
-                                   lr=lr, step=adam_step)
+            self.gpu_updates[unit.index].update(returned.shard, self.streams.record(route.stream),
+                                                coef=coef, lr=lr, step=adam_step)
         returned.shard = None
         self._set_version(unit, version, tail)
 

@@ -384,8 +384,7 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
     step_time = measured["step_time_s"]
     none = dict.fromkeys(("activation_blocks", "keep_blocks", "slots", "chunk_mib",
                           "update_order", "embedding_update", "gpu_state_blocks", "runtime",
-                          "bf16_shadow",
-                          "cpu_threads"))
+                          "bf16_shadow", "cpu_threads"))
     return {"mode": a.mode, "label": a.label if label is None else label, "flavor": a.flavor,
             "route": route, "kernels": kernels, "attention_op": attention_op, "ac": ac,
             **{**none, **slidedp},

@@ -29,8 +29,8 @@ resident and gradients (N = parameters, R = ranks) are the mode's Footprint: Sli
              units whose AdamW runs on the GPU (slidedp/gpu_update.py): resident ones
              (slidedp.gpu_state_blocks, embedding_update = "resident") add their shard's FP32
              master and moments and its BF16 copy (14/R B/param) and the update's FP32 and
-             BF16 gradient pieces to resident; deferred, every GPU-updated unit's reduced shard (2/R B/param) waits
-             on the device for the norm, counted in gradients
+             BF16 gradient pieces to resident; deferred, every GPU-updated unit's reduced
+             shard (2/R B/param) waits on the device for the norm, counted in gradients
 
 activations: tokens per micro-batch (local_batch_size x seq_len) x (the sum over blocks of the
 bytes per token each block's policy keeps + what backward holds beyond that of the one block it
