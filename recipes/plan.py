@@ -7,8 +7,9 @@ configuration's [plan] section names (the shipped train_configs/ name theirs), `
 `--ngpu` overriding it: a file shipped in slidedp/plan/rates/ by name (e.g. h200x2,
 a800x8_nvlink: plan for hardware you do not have) or a path; without one, the probe's cache
 for this machine, model and compute dtype, else the probe runs here first (on a GPU; on the CPU
-only for small models), as `python -m recipes.probe` does on its own. `--search` runs AutoPolicy from the model alone (nothing
-measured) and writes its choice to a policy file that `slidedp.policy_file` loads.
+only for small models), as `python -m recipes.probe` does on its own. `--search` runs
+AutoPolicy from the model alone (nothing measured) and writes its choice to a policy file that
+`slidedp.policy_file` loads.
 
 The configuration is read and checked exactly as recipes/train.py reads it; this command, not
 slidedp/plan/, owns that (slidedp/ imports nothing from recipes/).

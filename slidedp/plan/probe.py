@@ -219,10 +219,11 @@ def probe_machine(device: torch.device, *, rank: int = 0, world: int = 1, group=
                       hostname=this_host(), device=name, devices=world, cores=cores,
                       device_memory_gib=memory / 2**30, host_memory_gib=total_host_bytes() / 2**30,
                       note=f"measured by slidedp.plan.probe on {time.strftime('%Y-%m-%d')}")
-    # Where the device is the CPU its memory is the host's: the triad's bandwidth.
-    memory_gbs = {"hbm_gbs": host["dram_gbs"]} if device.type == "cpu" and rank == 0 else {}
-    rates = (Rates(machine=machine, **copies, **collectives, **host, **memory_gbs, gpu_tflops={})
-             if rank == 0 else None)
+    rates = None
+    if rank == 0:
+        # Where the device is the CPU its memory is the host's: the triad's bandwidth.
+        bandwidth = {"hbm_gbs": host["dram_gbs"]} if device.type == "cpu" else {}
+        rates = Rates(machine=machine, **copies, **collectives, **host, **bandwidth, gpu_tflops={})
     return _share(rates, group)
 
 

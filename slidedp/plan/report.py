@@ -56,6 +56,7 @@ def _on_device(name: str, rates: Rates) -> str:
 
 
 def _device_memory(rates: Rates) -> str:
+    """What the memory line is of."""
     return ("device memory per rank (the CPU's: host memory)" if rates.machine.on_cpu
             else "GPU memory per rank")
 
@@ -86,8 +87,8 @@ def format_memory(plan: RunPlan, rates: Rates) -> list[str]:
                               f" of {_gib(cap)}: {'DOES NOT FIT' if dev.total > cap * REFUSE_ABOVE else 'tight'}")
     source = "measured activation bytes" if plan.measured_bytes else "activations from the shapes"
     return [f"host memory: {_gib(plan.host_total)} ({parts}) of {_gib(have)}: {verdict}",
-            f"{_device_memory(rates)}: {_gib(dev.total)} (resident {_gib(dev.resident)}, activations "
-            f"{_gib(dev.activations)}, logits {_gib(dev.logits)}; {source}){fit}"]
+            f"{_device_memory(rates)}: {_gib(dev.total)} (resident {_gib(dev.resident)}, "
+            f"activations {_gib(dev.activations)}, logits {_gib(dev.logits)}; {source}){fit}"]
 
 
 def format_step(plan: RunPlan, rates: Rates) -> list[str]:
@@ -106,7 +107,8 @@ def format_step(plan: RunPlan, rates: Rates) -> list[str]:
                          f"{p.busy_s.get(name, 0.0):>9.3f}   {idle}")
     rest = {k: v for k, v in p.exposed_s.items() if k in ("cast", "other") and v > 0.0005}
     if rest:
-        lines.append(f"  {word} idle otherwise: " + ", ".join(f"{k} {v:.3f} s" for k, v in rest.items()))
+        lines.append(f"  {word} idle otherwise: "
+                     + ", ".join(f"{k} {v:.3f} s" for k, v in rest.items()))
     lines.append(f"bottleneck: {p.regime}: {p.why}")
     lines.append(f"what would move it: {p.advice}")
     return lines
@@ -190,7 +192,8 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
     found = solve(options, choices, blocks=args.n_layers, ranks=world, gpu_budget=gpu_budget,
                   host_budget=host_budget, rebuild_bytes=rebuild)
     if found is None:
-        return [f"search: no configuration fits the {rates.machine.device_word} and host memory budgets"]
+        return [f"search: no configuration fits the {rates.machine.device_word} and host memory "
+                "budgets"]
     policies = assign(found, args.n_layers)
     best = Setting(**found.option.settings)
     chunks = sorted({8.0, 32.0, 128.0, base.chunk_mib})
