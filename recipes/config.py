@@ -193,6 +193,17 @@ class Metrics:
 
 
 @dataclass
+class Plan:
+    """The machine `python -m recipes.plan CONFIG` plans for (recipes/plan.py; a run ignores it)."""
+
+    rates: str = ""
+    """Its rates: a file shipped in slidedp/plan/rates/ by name (e.g. h200x2) or a path; empty:
+    this machine's (the probe's cache, else measured here)."""
+    ngpu: Annotated[int, at_least(0)] = 0
+    """Ranks (GPUs) to plan for; 0: the rates' machine's."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -205,6 +216,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     slidedp: SlideDPConfig = field(default_factory=SlideDPConfig)
+    plan: Plan = field(default_factory=Plan)
 
 
 def _type_name(tp: Any) -> str:

@@ -2,12 +2,14 @@
 
     python -m recipes.plan CONFIG [--section.key=value ...] [--rates R] [--ngpu N] [--search]
 
-The plan (slidedp/plan/report.py) needs the rates of the machine it is for: `--rates NAME` (a
-file shipped in slidedp/plan/rates/, e.g. h200x2, a800x8_nvlink: plan for hardware you do not
-have) or `--rates FILE`; without it, the probe's cache for this machine and model, else the
-probe runs here first (on a GPU; on the CPU only for small models), as `python -m
-recipes.probe` does on its own. `--search` runs AutoPolicy from the model alone (nothing
-measured) and writes its choice to a policy file that `slidedp.policy_file` loads.
+The plan (slidedp/plan/report.py) needs the rates of the machine it is for, which the
+configuration's [plan] section names (the shipped train_configs/ name theirs), `--rates` and
+`--ngpu` overriding it: a file shipped in slidedp/plan/rates/ by name (e.g. h200x2,
+a800x8_nvlink: plan for hardware you do not have) or a path; without one, the probe's cache
+for this machine, model and compute dtype, else the probe runs here first (on a GPU; on the CPU
+only for small models), as `python -m recipes.probe` does on its own. `--search` runs
+AutoPolicy from the model alone (nothing measured) and writes its choice to a policy file that
+`slidedp.policy_file` loads.
 
 The configuration is read and checked exactly as recipes/train.py reads it; this command, not
 slidedp/plan/, owns that (slidedp/ imports nothing from recipes/).
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from models.kernels import resolve_kernels
 from recipes.config import ConfigError, parse_config, resolve_model
-from slidedp.plan.predict import policies_of
+from slidedp.plan.predict import compute_dtype, policies_of
 from slidedp.plan.probe import probe
 from slidedp.plan.rates import Rates, load_rates
 from slidedp.plan.report import Job, plan_text, search_offline
@@ -54,21 +56,24 @@ def probe_job(job: Job, *, device: torch.device, rank: int = 0, world: int = 1, 
         return probe(job.args, flavor=job.flavor, kernels=kernels,
                      policies=[*policies_of(config, job.args), *candidates_of(config)],
                      seq=config.training.seq_len, batch=config.training.local_batch_size,
-                     loss_chunk=config.training.loss_chunk_tokens, device=device, rank=rank,
-                     world=world, group=group, refresh=refresh)
+                     loss_chunk=config.training.loss_chunk_tokens, device=device,
+                     compute_dtype=compute_dtype(config), rank=rank, world=world, group=group,
+                     refresh=refresh)
     except ValueError as e:
         raise PlanError(str(e)) from None
 
 
 def rates_for(job: Job, *, rates: str) -> Rates:
-    """`--rates` if given, else this machine's (cached, or probed now on one rank)."""
-    if not rates:
+    """`--rates` if given, else [plan] rates, else this machine's (cached, or probed now on one
+    rank)."""
+    name = rates or job.config.plan.rates
+    if not name:
         cuda = torch.cuda.is_available()
         return probe_job(job, device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
     try:
-        return load_rates(rates)
+        return load_rates(name)
     except (FileNotFoundError, ValueError) as e:
-        raise PlanError(f"--rates: {e}") from None
+        raise PlanError(f"{'--rates' if rates else 'plan.rates'}: {e}") from None
 
 
 def split_flags(argv: list[str], parser: argparse.ArgumentParser
@@ -86,9 +91,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", help="a train_configs/*.toml file")
-    parser.add_argument("--rates", default="", help="a rates file or the name of a shipped one")
+    parser.add_argument("--rates", default="",
+                        help="a rates file or the name of a shipped one; default: [plan] rates")
     parser.add_argument("--ngpu", type=int, default=0,
-                        help="ranks (GPUs) to plan for; default: the rates' machine's")
+                        help="ranks (GPUs) to plan for; default: [plan] ngpu, else the rates' "
+                             "machine's")
     parser.add_argument("--search", action="store_true",
                         help="AutoPolicy from the model alone: the best routes, slots, chunk, "
                              "shadow and per-block policies, written to --out")
@@ -97,7 +104,7 @@ def main(argv: list[str]) -> int:
     try:
         job = load_job(flags)
         rates = rates_for(job, rates=ours.rates)
-        world = ours.ngpu or rates.machine.devices
+        world = ours.ngpu or job.config.plan.ngpu or rates.machine.devices
         if world < 1:
             raise PlanError(f"--ngpu must be >= 1, got {world}")
         print("\n".join(plan_text(job, rates, world=world)), flush=True)

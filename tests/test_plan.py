@@ -27,13 +27,15 @@ def job_of(*flags: str) -> Job:
 
 
 def planned(name: str) -> tuple[str, int, float]:
-    """A config's `# plan:` header: the rates and GPU count it is planned with, and the step
-    seconds it states (the prediction, or for single/fsdp2 the compute alone)."""
+    """A config's machine (its [plan] section: the rates and GPU count it is planned with) and
+    the step seconds its `# plan:` header states (the prediction, or for single/fsdp2 the
+    compute alone) for the command alone."""
     header = Path(REPO, "train_configs", name).read_text().split("\n\n")[0]
-    found = re.search(r"^# plan: python -m recipes\.plan train_configs/(\S+) --rates (\S+) --ngpu "
-                      r"(\d+)\n#   -> ([\d.]+) s per step", header, re.M)
+    found = re.search(r"^# plan: python -m recipes\.plan train_configs/(\S+)(?:   # .*)?\n"
+                      r"#   -> ([\d.]+) s per step", header, re.M)
     assert found and found[1] == name, f"{name}: no '# plan:' header"
-    return found[2], int(found[3]), float(found[4])
+    plan = parse_config([f"--job.config_file=train_configs/{name}"]).plan
+    return plan.rates, plan.ngpu, float(found[2])
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -52,6 +54,15 @@ def test_every_config_plans_as_its_header_says(name, tmp_path):
     assert "GPU memory per rank:" in text
     if stated is not None:
         assert seconds == pytest.approx(stated, rel=0.03), text
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "debug_cpu.toml"])
+def test_every_gpu_config_names_its_machine(name):
+    """`python -m recipes.plan train_configs/X.toml` alone plans a GPU config for its machine:
+    its [plan] section names a shipped rates file and the GPUs."""
+    rates, world, _ = planned(name)
+    assert (SHIPPED / f"{rates}.json").is_file() and world >= 1
+    load_rates(rates)
 
 
 def test_the_platforms_of_the_paper_have_configs():

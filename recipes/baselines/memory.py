@@ -26,6 +26,7 @@ from models.args import QwenArgs
 from recipes.config import JobConfig
 from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.plan.memory import CachedOutputs, Footprint
+from slidedp.plan.predict import compute_dtype
 
 FSDP_UNSHARDED_BLOCKS = 3
 """fsdp2, ZeRO-3: blocks unsharded at once (the one computing, the prefetched one, the last
@@ -43,7 +44,7 @@ def baseline_footprint(config: JobConfig, args: QwenArgs, *, world: int) -> Foot
     """The resident bytes and gradients of `config`'s mode (module docstring), its blocks'
     checkpointing, and its compute dtype (DeepSpeed always computes in BF16)."""
     mode, n = config.parallelism.mode, args.num_params()
-    b = 2 if mode == "deepspeed" or config.training.dtype == "bf16" else 4
+    b = 2 if compute_dtype(config) == "bf16" else 4
     policies = [CHECKPOINTING[config.activation_checkpoint.mode]] * args.n_layers
     block = args.block_params()
     root = n - args.n_layers * block

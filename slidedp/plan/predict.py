@@ -4,6 +4,7 @@ the model's architecture and a machine's rates."""
 
 import math
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from models.args import QwenArgs
 from slidedp.activations import ActivationPolicy, block_policies
@@ -46,6 +47,12 @@ def policies_of(config, args: QwenArgs) -> list[ActivationPolicy]:
     s = config.slidedp
     return block_policies(args.n_layers, default=s.activation, blocks=s.activation_blocks,
                           keep_blocks=s.keep_blocks)
+
+
+def compute_dtype(config) -> Literal["bf16", "fp32"]:
+    """What the run's devices compute in: training.dtype in single and fsdp2; SlideDP's window
+    and DeepSpeed (configured so) hold BF16 weights whatever it says."""
+    return config.training.dtype if config.parallelism.mode in ("single", "fsdp2") else "bf16"
 
 
 def threads_per_rank(config, rates: Rates, world: int) -> int:

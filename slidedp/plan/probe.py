@@ -6,12 +6,13 @@ all-gather and reduce-scatter of a block over the process group and their latenc
 alone, CPU AdamW (the runtime's kernel), the host gradient sum and the FP32 -> BF16 cast by
 thread count, and host memory bandwidth (STREAM triad, slidedp/plan/triad.py). Model rates,
 once per model and sequence length: on rank 0, one block of the model on the device (its
-kernels, BF16, random weights) timed forward and backward under each policy at the run's
-micro-batch (fewer sequences if it would not fit, then divided per sequence), the head with the
-loss and the embedding; each policy's activation bytes (slidedp/activations/cost.py); and the
-effective TFLOP/s of the FLOP model fitted to the kept block. On the CPU the device is the CPU
-and the same code runs (copies are memory copies, collectives are gloo's), so the planner can be
-tested without a GPU.
+kernels, the run's compute dtype, random weights) timed forward and backward under each policy
+at the run's micro-batch (fewer sequences if it would not fit, then divided per sequence), the
+head with the loss and the embedding; each policy's activation bytes (slidedp/activations/cost.py,
+SlideDP's BF16 blocks); and the effective TFLOP/s of the FLOP model fitted to the kept block. On
+the CPU the device is the CPU and the same code runs (copies are memory copies, collectives are
+gloo's, the device's memory bandwidth is the triad's), so the planner can be tested without a
+GPU; a model too large to time there is refused before anything is measured.
 
 The cache: `rates.cache_path(machine, model)` holds both (a file per machine alone as well), so
 a second run on the same machine and model measures nothing; `refresh=True` measures again.
@@ -22,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -36,13 +38,16 @@ from slidedp.activations import (KEEP, RECOMPUTE, ActivationPolicy, BlockSegment
 from slidedp.collectives import all_gather_single, reduce_scatter_single
 from slidedp.host_state import total_host_bytes
 from slidedp.plan.rates import (BlockTiming, Machine, Rates, cache_dir, cache_path, load_rates,
-                                model_key, this_host, timing_key)
+                                model_key, shipped_names, this_host, timing_key)
 from slidedp.plan.triad import triad_gbs
 from slidedp.plan.workload import segment_flops
 
 PROBE_CPU_MAX_PARAMS = 2_000_000_000
 """On the CPU, models above this size are not timed (a block would take minutes): plan them
 from a rates file of their GPU machine."""
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""A run's compute dtype by its name in the configuration (training.dtype)."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +219,11 @@ def probe_machine(device: torch.device, *, rank: int = 0, world: int = 1, group=
                       hostname=this_host(), device=name, devices=world, cores=cores,
                       device_memory_gib=memory / 2**30, host_memory_gib=total_host_bytes() / 2**30,
                       note=f"measured by slidedp.plan.probe on {time.strftime('%Y-%m-%d')}")
-    rates = Rates(machine=machine, **copies, **collectives, **host, gpu_tflops={}) if rank == 0 else None
+    rates = None
+    if rank == 0:
+        # Where the device is the CPU its memory is the host's: the triad's bandwidth.
+        bandwidth = {"hbm_gbs": host["dram_gbs"]} if device.type == "cpu" else {}
+        rates = Rates(machine=machine, **copies, **collectives, **host, **bandwidth, gpu_tflops={})
     return _share(rates, group)
 
 
@@ -229,9 +238,10 @@ def _share(obj, group):
 # ---- model rates -------------------------------------------------------------------------------
 
 
-def _block(args: QwenArgs, kernels: Kernels, device: torch.device) -> TransformerBlock:
+def _block(args: QwenArgs, kernels: Kernels, device: torch.device,
+           dtype: torch.dtype) -> TransformerBlock:
     with torch.device("meta"):
-        block = TransformerBlock(args, kernels).to(torch.bfloat16)
+        block = TransformerBlock(args, kernels).to(dtype)
     block = block.to_empty(device=device)
     with torch.no_grad():
         for name, p in block.named_parameters():
@@ -243,7 +253,7 @@ def _time_block(policy: ActivationPolicy, block: TransformerBlock, args: QwenArg
                 seq: int, device: torch.device, repeats: int) -> BlockTiming:
     weights = dict(block.named_parameters())
     rope = rope_tables(args, seq, device)
-    h = torch.randn(batch, seq, args.dim, device=device, dtype=torch.bfloat16)
+    h = torch.randn(batch, seq, args.dim, device=device, dtype=next(block.parameters()).dtype)
     grad = torch.randn_like(h)
     forward, backward = [], []
     for i in range(repeats + _WARMUP):
@@ -267,17 +277,17 @@ def _time_block(policy: ActivationPolicy, block: TransformerBlock, args: QwenArg
 
 
 def _time_head_and_embed(args: QwenArgs, kernels: Kernels, *, batch: int, seq: int,
-                         loss_chunk: int, device: torch.device,
+                         loss_chunk: int, device: torch.device, dtype: torch.dtype,
                          repeats: int) -> dict[str, BlockTiming]:
-    bf16 = dict(dtype=torch.bfloat16, device=device)
-    emb = (torch.randn(args.vocab_size, args.dim, **bf16) * 0.02).requires_grad_()
-    head = emb if args.tie_embeddings else (torch.randn(args.vocab_size, args.dim, **bf16) * 0.02).requires_grad_()
+    on = dict(dtype=dtype, device=device)
+    emb = (torch.randn(args.vocab_size, args.dim, **on) * 0.02).requires_grad_()
+    head = emb if args.tie_embeddings else (torch.randn(args.vocab_size, args.dim, **on) * 0.02).requires_grad_()
     with torch.device("meta"):
         norm = RMSNorm(args.dim, args.norm_eps, kernels)
-    norm = norm.to_empty(device=device).to(torch.bfloat16)
+    norm = norm.to_empty(device=device).to(dtype)
     torch.nn.init.ones_(norm.weight)
     tokens = torch.randint(args.vocab_size, (batch, seq), device=device)
-    h = torch.randn(batch, seq, args.dim, **bf16)
+    h = torch.randn(batch, seq, args.dim, **on)
 
     def head_step() -> None:
         x = h.detach().requires_grad_()
@@ -287,7 +297,7 @@ def _time_head_and_embed(args: QwenArgs, kernels: Kernels, *, batch: int, seq: i
 
     out = {"head": BlockTiming(forward_s=_median_seconds(head_step, device=device, repeats=repeats)
                                / batch, backward_s=0.0, batch=batch)}
-    grad = torch.randn(batch, seq, args.dim, **bf16)
+    grad = torch.randn(batch, seq, args.dim, **on)
     state: dict = {}
 
     def embed_forward() -> None:
@@ -319,14 +329,12 @@ def _probe_batch(keep_bytes_per_seq: float, batch: int, device: torch.device,
 
 def probe_model(rates: Rates, args: QwenArgs, *, flavor: str, kernels: Kernels,
                 policies: Iterable[ActivationPolicy], seq: int, batch: int, loss_chunk: int,
-                device: torch.device, sizes: ProbeSizes = ProbeSizes(),
+                device: torch.device, compute_dtype: Literal["bf16", "fp32"] = "bf16",
+                sizes: ProbeSizes = ProbeSizes(),
                 log: Callable[[str], None] = print) -> Rates:
     """`rates` with the timings and costs of `policies` (and the head, the embedding) of the
-    model at `seq` added, where they are not there yet."""
-    if device.type == "cpu" and args.num_params() > PROBE_CPU_MAX_PARAMS:
-        raise ValueError(f"{flavor} ({args.num_params() / 1e9:.1f}B parameters) is too large to "
-                         f"time on the CPU: plan it from a rates file of its GPU machine (--rates)")
-    key = model_key(args, kernels.name)
+    model at `seq` in `compute_dtype` added, where they are not there yet."""
+    key = model_key(args, kernels.name, compute_dtype)
     if rates.model not in ("", key):
         raise ValueError(f"these rates hold another model's timings ({rates.model})")
     blocks, costs = dict(rates.blocks), dict(rates.costs)
@@ -343,9 +351,11 @@ def probe_model(rates: Rates, args: QwenArgs, *, flavor: str, kernels: Kernels,
         keep_cost = costs.get(keep_key) or measure_costs(
             [KEEP], args, kernels, device=device, seq_len=seq)[KEEP]
         costs.setdefault(keep_key, keep_cost)
-        b = _probe_batch(keep_cost.gpu.at(1, seq), batch, device, sizes)
+        dtype = DTYPES[compute_dtype]
+        # The costs are of BF16 blocks: FP32 keeps twice their bytes.
+        b = _probe_batch(keep_cost.gpu.at(1, seq) * dtype.itemsize / 2, batch, device, sizes)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            block = _block(args, kernels, device)
+            block = _block(args, kernels, device, dtype)
             # A first use of each kind of op (checkpointing, SDPA, kernel selection) costs far
             # more than its steady state; the engine pays it once at its first step.
             for warm in (KEEP, RECOMPUTE):
@@ -358,7 +368,7 @@ def probe_model(rates: Rates, args: QwenArgs, *, flavor: str, kernels: Kernels,
             if timing_key("head", seq) not in blocks:
                 for what, t in _time_head_and_embed(args, kernels, batch=b, seq=seq,
                                                     loss_chunk=loss_chunk, device=device,
-                                                    repeats=sizes.repeats).items():
+                                                    dtype=dtype, repeats=sizes.repeats).items():
                     blocks[timing_key(what, seq)] = t
         for base in missing:
             t = blocks[timing_key(base, seq)]
@@ -369,16 +379,22 @@ def probe_model(rates: Rates, args: QwenArgs, *, flavor: str, kernels: Kernels,
     if keep is not None:  # the FLOP model's rate for policies never timed, fitted to keep
         flops = 3 * sum(segment_flops(args, seq).values()) * seq
         tflops[f"{flavor}/{kernels.name}"] = flops / (keep.forward_s + keep.backward_s) / 1e12
-    return replace(rates.with_model(key, blocks, costs), gpu_tflops=tflops)
+    return replace(rates.with_model(key, blocks, costs), gpu_tflops=tflops,
+                   compute_dtype=compute_dtype)
 
 
 def probe(args: QwenArgs, *, flavor: str, kernels: Kernels, policies: Iterable[ActivationPolicy],
-          seq: int, batch: int, loss_chunk: int, device: torch.device, rank: int = 0,
-          world: int = 1, group=None, refresh: bool = False, sizes: ProbeSizes | None = None,
+          seq: int, batch: int, loss_chunk: int, device: torch.device,
+          compute_dtype: Literal["bf16", "fp32"] = "bf16", rank: int = 0, world: int = 1,
+          group=None, refresh: bool = False, sizes: ProbeSizes | None = None,
           log: Callable[[str], None] = print) -> Rates:
-    """The rates of this machine and model: from the cache, measuring only what is missing (all
-    of it with `refresh`), and the cache updated. Every rank calls it; rank 0 measures the
-    host and the model and writes the files, every rank returns the same Rates."""
+    """The rates of this machine and model in `compute_dtype`: from the cache, measuring only
+    what is missing (all of it with `refresh`), and the cache updated. Every rank calls it; rank
+    0 measures the host and the model and writes the files, every rank returns the same Rates."""
+    if device.type == "cpu" and args.num_params() > PROBE_CPU_MAX_PARAMS:
+        raise ValueError(f"{flavor} ({args.num_params() / 1e9:.1f}B parameters) is too large to "
+                         f"time on the CPU: plan it from the rates of its GPU machine ([plan] "
+                         f"rates or --rates: a file, or one shipped: {shipped_names()})")
     say = log if rank == 0 else (lambda _: None)
     sizes = sizes or ProbeSizes.for_device(device)
     machine_rates = _cached_machine(device, world) if not refresh else None
@@ -387,14 +403,15 @@ def probe(args: QwenArgs, *, flavor: str, kernels: Kernels, policies: Iterable[A
         machine_rates = probe_machine(device, rank=rank, world=world, group=group, sizes=sizes, log=say)
         if rank == 0:
             machine_rates.save(cache_dir() / f"{machine_rates.machine.key()}.json")
-    key = model_key(args, kernels.name)
+    key = model_key(args, kernels.name, compute_dtype)
     path = cache_path(machine_rates.machine, key)
     rates = None
     if rank == 0:
         rates = load_rates(str(path)) if path.is_file() and not refresh else machine_rates.with_model(key, {}, {})
         before = (len(rates.blocks), len(rates.costs))
         rates = probe_model(rates, args, flavor=flavor, kernels=kernels, policies=policies, seq=seq,
-                            batch=batch, loss_chunk=loss_chunk, device=device, sizes=sizes, log=say)
+                            batch=batch, loss_chunk=loss_chunk, device=device,
+                            compute_dtype=compute_dtype, sizes=sizes, log=say)
         if (len(rates.blocks), len(rates.costs)) != before or not path.is_file():
             rates.save(path)
             say(f"[probe] rates cached in {path}")

@@ -54,6 +54,16 @@ class Machine:
     note: str = ""
     """Where each figure comes from."""
 
+    @property
+    def on_cpu(self) -> bool:
+        """The device is the CPU (its memory is the host's)."""
+        return self.device == "cpu"
+
+    @property
+    def device_word(self) -> str:
+        """What the ranks compute on, in words: "GPU", or "device" where it is the CPU."""
+        return "device" if self.on_cpu else "GPU"
+
     def key(self) -> str:
         """The cache key of a machine: host, device, count and cores."""
         return f"{self.hostname or 'host'}-{self.device}-x{self.devices}-c{self.cores}".replace(" ", "_")
@@ -116,8 +126,11 @@ class Rates:
     for NVLink bridges that join pairs."""
     hbm_gbs: float = 4000.0
     """Device memory bandwidth a memory-bound kernel reaches, GB/s (the embedding's AdamW on the
-    GPU, slidedp.embedding_update = "gpu"). Not measured: the default is about an H200's
-    effective rate (4.8 TB/s peak)."""
+    GPU, slidedp.embedding_update = "gpu"). Not measured on a GPU: the default is about an
+    H200's effective rate (4.8 TB/s peak); where the device is the CPU, the STREAM triad's."""
+    compute_dtype: Literal["bf16", "fp32"] = "bf16"
+    """What the blocks, the head and the embedding were timed in (a run's: training.dtype in
+    single and fsdp2, BF16 in slidedp and deepspeed)."""
     attention_tflops: dict[str, float] = field(default_factory=dict)
     """Causal attention's forward + backward TFLOP/s by `timing_key(flavor, seq)`, measured
     (recipes/bench/attention.py, which counts forward 2 and backward 5 half-size matmuls). Where
@@ -195,13 +208,17 @@ def load_rates(name_or_path: str) -> Rates:
     if not path.is_file():
         shipped = SHIPPED / f"{name_or_path}.json"
         if not shipped.is_file():
-            names = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.json")))
-            raise FileNotFoundError(f"no rates file {name_or_path!r} (shipped: {names})")
+            raise FileNotFoundError(f"no rates file {name_or_path!r} (shipped: {shipped_names()})")
         path = shipped
     try:
         return Rates.from_json(json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a rates file ({e})") from None
+
+
+def shipped_names() -> str:
+    """The shipped rates files by name, comma-separated."""
+    return ", ".join(sorted(p.stem for p in SHIPPED.glob("*.json")))
 
 
 def by_threads(table: dict[int, float], threads: int) -> float:
@@ -216,11 +233,12 @@ def by_threads(table: dict[int, float], threads: int) -> float:
     return table[counts[-1]]
 
 
-def model_key(args: QwenArgs, kernels: str) -> str:
-    """The cache key of a model: its architecture (a hash: a custom hf_dir has no flavor name)
-    and the kernels it computes with."""
+def model_key(args: QwenArgs, kernels: str, dtype: str = "bf16") -> str:
+    """The cache key of a model: its architecture (a hash: a custom hf_dir has no flavor name),
+    the kernels and the dtype it computes in (FP32 timings apart from the BF16 ones)."""
     digest = hashlib.sha1(repr(args).encode()).hexdigest()[:10]
-    return f"{args.family}-d{args.dim}-l{args.n_layers}-{digest}-{kernels}"
+    suffix = "" if dtype == "bf16" else f"-{dtype}"
+    return f"{args.family}-d{args.dim}-l{args.n_layers}-{digest}-{kernels}{suffix}"
 
 
 def timing_key(what: str, seq: int) -> str:

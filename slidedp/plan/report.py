@@ -1,6 +1,7 @@
-"""A plan in words: what a run needs (host and GPU memory, by part) and how fast it will go
+"""A plan in words: what a run needs (host and device memory, by part) and how fast it will go
 (the predicted step, per-resource demand and busy time, the bottleneck and what would move it).
-The command line that prints it is recipes/plan.py (`python -m recipes.plan CONFIG`)."""
+Where the device is the CPU it is called the device, its memory the host's. The command line
+that prints it is recipes/plan.py (`python -m recipes.plan CONFIG`)."""
 
 import itertools
 from dataclasses import dataclass, replace
@@ -12,7 +13,7 @@ from slidedp.plan.ilp import solve
 from slidedp.plan.memory import REFUSE_ABOVE, estimate_device_memory
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.policy_file import policy_settings, write_policy_file
-from slidedp.plan.predict import RunPlan, plan_run, policies_of
+from slidedp.plan.predict import RunPlan, compute_dtype, plan_run, policies_of
 from slidedp.plan.rates import Rates
 from slidedp.plan.search import (Model, Setting, assign, budgets, build_program, candidates_of,
                                   screen, setting_of)
@@ -40,12 +41,33 @@ def kernels_for(config, rates: Rates) -> str:
     choice = config.model.kernels
     if choice != "auto":
         return choice
-    return "torch" if rates.machine.device == "cpu" else "liger"
+    return "torch" if rates.machine.on_cpu else "liger"
 
 
 def _gib(n: float) -> str:
     """Bytes in GiB, or MiB below one GiB (the debug models are small)."""
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def _on_device(name: str, rates: Rates) -> str:
+    """A resource's name (slidedp/plan/steptime.py's, e.g. "gpu compute") for this device."""
+    word = rates.machine.device_word
+    return name.replace("gpu", word.lower()).replace("GPU", word)
+
+
+def _device_memory(rates: Rates) -> str:
+    """What the memory line is of."""
+    return ("device memory per rank (the CPU's: host memory)" if rates.machine.on_cpu
+            else "GPU memory per rank")
+
+
+def dtype_note(job: Job, rates: Rates) -> list[str]:
+    """A line where the rates were timed in another dtype than the run computes in."""
+    run = compute_dtype(job.config)
+    if rates.compute_dtype == run:
+        return []
+    return [f"compute: these rates were timed in {rates.compute_dtype}, this run computes in "
+            f"{run} (training.dtype): its compute times are {rates.compute_dtype}'s"]
 
 
 def describe_rates(rates: Rates) -> str:
@@ -65,26 +87,28 @@ def format_memory(plan: RunPlan, rates: Rates) -> list[str]:
                               f" of {_gib(cap)}: {'DOES NOT FIT' if dev.total > cap * REFUSE_ABOVE else 'tight'}")
     source = "measured activation bytes" if plan.measured_bytes else "activations from the shapes"
     return [f"host memory: {_gib(plan.host_total)} ({parts}) of {_gib(have)}: {verdict}",
-            f"GPU memory per rank: {_gib(dev.total)} (resident {_gib(dev.resident)}, activations "
-            f"{_gib(dev.activations)}, logits {_gib(dev.logits)}; {source}){fit}"]
+            f"{_device_memory(rates)}: {_gib(dev.total)} (resident {_gib(dev.resident)}, "
+            f"activations {_gib(dev.activations)}, logits {_gib(dev.logits)}; {source}){fit}"]
 
 
-def format_step(plan: RunPlan) -> list[str]:
-    p, spec = plan.step, plan.spec
+def format_step(plan: RunPlan, rates: Rates) -> list[str]:
+    p, spec, word = plan.step, plan.spec, rates.machine.device_word
     lines = [f"predicted step: {p.step_s:.3f} s, {p.tokens_per_s:,.0f} tokens/s "
              f"({spec.tokens:,} tokens per step); service-demand lower bound {p.bound_s:.3f} s "
-             f"({p.bound_resource})",
-             f"  {'resource':<14} {'demand s':>9} {'busy s':>9}   GPU idle while first busy"]
+             f"({_on_device(p.bound_resource, rates)})",
+             f"  {'resource':<14} {'demand s':>9} {'busy s':>9}   {word} idle while first busy"]
     exposed = {"h2d per GPU": "h2d", "interconnect": "collective", "d2h per GPU": "d2h",
                "cpu update": "cpu update"}
     for name, demand in p.demand_s.items():
         if name == "gpu compute" or demand or p.busy_s.get(name):
             shown = exposed.get(name)
             idle = f"{p.exposed_s[shown]:.3f} s" if shown else ""
-            lines.append(f"  {name:<14} {demand:>9.3f} {p.busy_s.get(name, 0.0):>9.3f}   {idle}")
+            lines.append(f"  {_on_device(name, rates):<14} {demand:>9.3f} "
+                         f"{p.busy_s.get(name, 0.0):>9.3f}   {idle}")
     rest = {k: v for k, v in p.exposed_s.items() if k in ("cast", "other") and v > 0.0005}
     if rest:
-        lines.append("  GPU idle otherwise: " + ", ".join(f"{k} {v:.3f} s" for k, v in rest.items()))
+        lines.append(f"  {word} idle otherwise: "
+                     + ", ".join(f"{k} {v:.3f} s" for k, v in rest.items()))
     lines.append(f"bottleneck: {p.regime}: {p.why}")
     lines.append(f"what would move it: {p.advice}")
     return lines
@@ -122,7 +146,8 @@ def plan_text(job: Job, rates: Rates, *, world: int) -> list[str]:
     return [f"plan of {describe_run(job, world=world, kernels=kernels)}",
             f"on {describe_rates(rates)}",
             f"activations: {format_blocks(list(plan.policies))}",
-            *format_memory(plan, rates), *caveat, *format_step(plan)]
+            *dtype_note(job, rates), *format_memory(plan, rates), *caveat,
+            *format_step(plan, rates)]
 
 
 def _resident_mode_text(job: Job, rates: Rates, *, world: int, kernels: str) -> list[str]:
@@ -137,11 +162,14 @@ def _resident_mode_text(job: Job, rates: Rates, *, world: int, kernels: str) -> 
     tokens = tr.local_batch_size * tr.seq_len * tr.grad_accum_steps * world
     cap = rates.machine.device_memory_gib * GiB
     fit = "" if not cap else f" of {_gib(cap)}: {'fits' if est.total <= cap * REFUSE_ABOVE else 'DOES NOT FIT'}"
+    mode = config.activation_checkpoint.mode
+    checkpointing = "no" if mode == "none" else mode
     return [f"plan of {job.flavor} in mode {config.parallelism.mode} on {world} rank(s), "
-            f"{tr.grad_accum_steps} x {tr.local_batch_size} x {tr.seq_len} tokens; {kernels} kernels",
-            f"on {describe_rates(rates)}",
-            f"GPU memory per rank: {_gib(est.total)} ({est.parts(_gib)}){fit}",
-            f"compute alone (forward + backward, {config.activation_checkpoint.mode} checkpointing): "
+            f"{tr.grad_accum_steps} x {tr.local_batch_size} x {tr.seq_len} tokens; {kernels} "
+            f"kernels, {compute_dtype(config)} compute",
+            f"on {describe_rates(rates)}", *dtype_note(job, rates),
+            f"{_device_memory(rates)}: {_gib(est.total)} ({est.parts(_gib)}){fit}",
+            f"compute alone (forward + backward, {checkpointing} activation checkpointing): "
             f"{seconds:.3f} s per step, {tokens / seconds:,.0f} tokens/s: a lower bound of this "
             f"mode's step (the step-time model simulates SlideDP; --parallelism.mode=slidedp plans it)"]
 
@@ -164,7 +192,8 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
     found = solve(options, choices, blocks=args.n_layers, ranks=world, gpu_budget=gpu_budget,
                   host_budget=host_budget, rebuild_bytes=rebuild)
     if found is None:
-        return ["search: no configuration fits the GPU and host memory budgets"]
+        return [f"search: no configuration fits the {rates.machine.device_word} and host memory "
+                "budgets"]
     policies = assign(found, args.n_layers)
     best = Setting(**found.option.settings)
     chunks = sorted({8.0, 32.0, 128.0, base.chunk_mib})

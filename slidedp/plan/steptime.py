@@ -134,8 +134,9 @@ class StepPrediction:
     demand_s: dict[str, float]
     """Service demand per step of each resource: the seconds its work needs at its full rate
     (the busiest rank for per-rank ones); the step takes at least the largest."""
-    regime: Literal["gpu-bound", "host-bound"]
-    """host-bound: the step is more than 10% above the GPU's demand."""
+    regime: Literal["gpu-bound", "device-bound", "host-bound"]
+    """host-bound: the step is more than 10% above the device's demand (device-bound: gpu-bound
+    where the device is the CPU)."""
     why: str
     """The bottleneck in words."""
     advice: str
@@ -497,7 +498,8 @@ def simulate_step(spec: StepSpec, rates: Rates) -> StepPrediction:
     sim = builder.sim
     sim.run()
     t0, t1 = sim.tasks[ends[-2]].end, sim.tasks[ends[-1]].end
-    return _analyse(spec, sim, t0, t1, last_step=SIMULATED_STEPS - 1)
+    return _analyse(spec, sim, t0, t1, last_step=SIMULATED_STEPS - 1,
+                    device=rates.machine.device_word)
 
 
 def cast_and_copy_gbs(rates: Rates, *, elems: int, gpus: int, chunk_elems: int,
@@ -546,7 +548,8 @@ def _demands(spec: StepSpec, sim: Simulation, step: int) -> dict[str, float]:
     return demand
 
 
-def _analyse(spec: StepSpec, sim: Simulation, t0: float, t1: float, *, last_step: int) -> StepPrediction:
+def _analyse(spec: StepSpec, sim: Simulation, t0: float, t1: float, *, last_step: int,
+             device: str) -> StepPrediction:
     step = t1 - t0
     tasks = sim.tasks
 
@@ -570,30 +573,34 @@ def _analyse(spec: StepSpec, sim: Simulation, t0: float, t1: float, *, last_step
                                   t0, t1)
 
     demand = _demands(spec, sim, last_step)
-    regime, why, advice = _verdict(spec, step, demand, exposed)
+    regime, why, advice = _verdict(spec, step, demand, exposed, device=device)
     return StepPrediction(step_s=step, tokens_per_s=spec.tokens / step, busy_s=busy,
                           exposed_s=exposed, demand_s=demand, regime=regime, why=why,
                           advice=advice)
 
 
-def _verdict(spec: StepSpec, step: float, demand: dict[str, float], exposed: dict[str, float]):
+def _verdict(spec: StepSpec, step: float, demand: dict[str, float], exposed: dict[str, float],
+             *, device: str):
+    """The regime, the bottleneck in words and what would move it; `device` names what the
+    ranks compute on ("GPU", or "device" where it is the CPU)."""
     gpu = demand["gpu compute"]
     host = {k: v for k, v in demand.items() if k != "gpu compute"}
     top = max(host, key=host.get)
-    regime = "host-bound" if step > 1.1 * gpu else "gpu-bound"
+    regime = "host-bound" if step > 1.1 * gpu else f"{device.lower()}-bound"
     if host[top] > gpu:
-        why = f"{top} {host[top]:.3g} s vs GPU {gpu:.3g} s per step (service demand)"
+        why = f"{top} {host[top]:.3g} s vs {device} {gpu:.3g} s per step (service demand)"
         advice = _ADVICE[top](spec)
     elif regime == "host-bound":
         cause = max(exposed, key=exposed.get)
-        why = (f"GPU {gpu:.3g} s of {step:.3g} s; {exposed[cause]:.3g} s of {cause} exposed by "
-               f"the schedule's dependencies (every resource's demand is below the GPU's)")
+        why = (f"{device} {gpu:.3g} s of {step:.3g} s; {exposed[cause]:.3g} s of {cause} exposed "
+               f"by the schedule's dependencies (every resource's demand is below the "
+               f"{device}'s)")
         advice = _EXPOSED_ADVICE[cause](spec)
     else:
-        why = f"GPU compute {gpu:.3g} s of {step:.3g} s; the host work is hidden"
-        advice = ("fewer replays: spend spare GPU memory on blocks that keep more "
+        why = f"{device} compute {gpu:.3g} s of {step:.3g} s; the host work is hidden"
+        advice = (f"fewer replays: spend spare {device} memory on blocks that keep more "
                   "(slidedp.activation_blocks, or `python -m recipes.plan CONFIG --search`)")
-        if spec.kernels == "torch":
+        if spec.kernels == "torch" and device == "GPU":  # liger's kernels are CUDA's
             advice = "faster kernels (model.kernels = \"liger\"), or " + advice
     return regime, why, advice
 
@@ -609,7 +616,7 @@ _ADVICE = {
                             "grad_accum_steps) or more cores per rank (slidedp.cpu_threads)",
     "h2d per GPU": _routes_advice,
     "host h2d": lambda s: "sharded delivery (host reads independent of the ranks)"
-                          if s.delivery == "replicated" else "fewer GPUs sharing the host's PCIe",
+                          if s.delivery == "replicated" else "fewer ranks sharing the host's PCIe",
     "d2h per GPU": lambda s: "reduction = \"gpu\" (one summed shard per rank crosses PCIe)"
                              if s.reduction == "cpu" else "more sequences per step",
     "host d2h": lambda s: "reduction = \"gpu\"" if s.reduction == "cpu" else "more sequences per step",
