@@ -156,7 +156,8 @@ def test_help_spells_flags_as_the_readme(capsys):
     assert info.value.code == 0
     help_text = capsys.readouterr().out
     assert "--slidedp.delivery {replicated,sharded}" in help_text
-    readme = open(os.path.join(REPO, "README.md")).read()
+    # The README's flags and those of the reference it points to.
+    readme = "".join(open(os.path.join(REPO, doc)).read() for doc in ("README.md", "docs/USAGE.md"))
     flags = {f for f in re.findall(r"--([a-z_]+\.[a-z_]+)", readme)
              if f.split(".")[0] in get_type_hints(JobConfig)}  # not the --section.key pattern
     assert {"model.hf_dir", "checkpoint.save_dir", "parallelism.mode"} <= flags

@@ -18,7 +18,9 @@ from slidedp.plan.rates import SHIPPED, load_rates, model_key
 from slidedp.plan.report import Job, plan_text
 from tests.conftest import REPO, subprocess_env
 
-CONFIGS = sorted(p.name for p in (SHIPPED.parents[2] / "train_configs").glob("*.toml"))
+# finetune_hf.toml has no model until --model.hf_dir names one: tests/test_readme.py plans it.
+CONFIGS = sorted(p.name for p in (SHIPPED.parents[2] / "train_configs").glob("*.toml")
+                 if p.name != "finetune_hf.toml")
 
 
 def job_of(*flags: str) -> Job:
