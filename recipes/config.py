@@ -99,7 +99,7 @@ class Training:
     init_on_meta: bool = False
     """Create weights on the meta device, init them in place after sharding (fast; fsdp2)."""
     nonfinite: Literal["stop_consecutive", "stop_total", "skip", "off"] = "stop_consecutive"
-    """A step with a NaN/Inf loss or gradient norm skips its update (see README); "skip": go on,
+    """A step with a NaN/Inf loss or gradient norm skips its update (see docs/USAGE.md, Failures); "skip": go on,
     "stop_*": stop after max_nonfinite_steps such steps in a row / in total; "off": no check."""
     max_nonfinite_steps: Annotated[int, at_least(1)] = 3
     """Skipped steps (in a row, or in total since the start) that stop the run."""

@@ -42,7 +42,7 @@ class SlideDPConfig:
     """Activation policy of every block: "keep", "recompute", "selective" (attention outputs
     saved), "segments(S+S...)" (the named block segments kept, the rest replayed),
     "ops(matmul+attention)" (those ops' outputs saved), each optionally "@offload=F" (a fraction
-    F of what the block saves goes to host memory); README "Activation policies"."""
+    F of what the block saves goes to host memory); docs/USAGE.md "Activation policies"."""
     activation_blocks: str = ""
     """Per-block overrides, "BLOCKS:POLICY, ..." with BLOCKS one block or FIRST-LAST (0-based,
     inclusive), e.g. "0-3:keep, 30-35:recompute@offload=0.5"; a later entry wins."""
