@@ -12,6 +12,7 @@ forwards, each rank's exit) are not shown: those outcomes say it all.
 """
 
 import logging
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -24,6 +25,12 @@ from recipes.preflight import MULTI_RANK_MODE, check_launch
 
 RANK_SAID_WHY = (2, EXIT_CODE)
 """Exit codes of ranks that printed their own one line (rank 0)."""
+
+SHUTDOWN_TIMEOUT_S = "1800"
+"""How long torchrun lets the ranks take to end after it forwards a Ctrl-C, before it kills them
+(its default, 30 s, is shorter than a step and a save of a large model): the ranks end as soon
+as their save is complete, and a second Ctrl-C ends them at once. TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+sets another; torch releases before it was read keep 30 s."""
 
 
 def launch(nproc: int, flags: list[str]) -> int:
@@ -40,6 +47,7 @@ def launch(nproc: int, flags: list[str]) -> int:
     # torchrun's loggers set their own levels, so the threshold is the process's: this process
     # logs nothing else.
     logging.disable(logging.ERROR)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
     try:
         run(parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "recipes.train",
                         *flags, *added]))
