@@ -267,7 +267,7 @@ def test_a_killed_rank_ends_the_other_and_the_run_resumes_exactly(tmp_path, laun
         assert [r[key] for r in resumed] == [r[key] for r in reference[resumed_at:]], key
 
 
-def _quiet_env(tmp_path: Path, ngpu: int) -> dict[str, str]:
+def _isolated_env(tmp_path: Path, ngpu: int) -> dict[str, str]:
     """run_train.sh's environment for NGPU=ngpu, with SlideDP's caches under tmp_path."""
     return subprocess_env(NGPU=str(ngpu), SLIDEDP_CACHE_DIR=str(tmp_path / "cache"),
                           SLIDEDP_RATES_DIR=str(tmp_path / "rates"))
@@ -281,7 +281,7 @@ def test_a_folder_in_use_is_one_line_and_exit_code_2_with_two_ranks(tmp_path):
     try:
         proc = subprocess.run(["./run_train.sh", *_train_flags(out, "--parallelism.mode=fsdp2",
                                                                "--checkpoint.save_dir=")],
-                              cwd=REPO, env=_quiet_env(tmp_path, 2), capture_output=True,
+                              cwd=REPO, env=_isolated_env(tmp_path, 2), capture_output=True,
                               text=True, timeout=120)
     finally:
         lock.release()
@@ -299,7 +299,7 @@ def _interrupt(tmp_path: Path, ngpu: int, *flags: str) -> tuple[int, list[str], 
     with open(log, "w") as f:
         proc = subprocess.Popen(["./run_train.sh", *_train_flags(out, "--training.steps=100000",
                                                                  *flags)],
-                                cwd=REPO, env=_quiet_env(tmp_path, ngpu), stdout=f, stderr=f,
+                                cwd=REPO, env=_isolated_env(tmp_path, ngpu), stdout=f, stderr=f,
                                 start_new_session=True)
     try:
         _wait_for_steps(out, 1, [proc], log)
