@@ -6,8 +6,9 @@
 #   NGPU=2 ./run_train.sh --parallelism.mode=slidedp       # 2 ranks (NCCL on GPUs, gloo on CPU)
 #   CONFIG_FILE=train_configs/h200_qwen3_8b.toml NGPU=2 ./run_train.sh
 # Run it from the repository root (config paths are relative to it). With NGPU >= 2 the whole
-# configuration (data records included) is checked once before torchrun starts the ranks, so a
-# mistake is one `error:` line and exit code 2.
+# configuration (data records included) is checked once before any rank starts, and the ranks'
+# end is said as one process's would be: a mistake is one `error:` line and exit code 2, Ctrl-C
+# one line and exit code 130 (recipes/launch.py).
 set -euo pipefail
 
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_cpu.toml}
@@ -40,10 +41,5 @@ done
 if (( NGPU == 1 )); then
   exec "$PYTHON" -m recipes.train --job.config_file "$CONFIG_FILE" "$@"
 fi
-# The launch's checks and the flags it adds (mode "single" becomes "fsdp2" on several ranks).
-launch_flags=$("$PYTHON" -m recipes.preflight "$NGPU" --job.config_file "$CONFIG_FILE" "$@") \
-  || exit $?
-read -ra launch_flags <<< "$launch_flags"
-# torchrun, through the interpreter so that it is the same Python.
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-  -m recipes.train --job.config_file "$CONFIG_FILE" "$@" "${launch_flags[@]}"
+# The checks, then torchrun in the same process (so that the ranks run this Python too).
+exec "$PYTHON" -m recipes.launch "$NGPU" --job.config_file "$CONFIG_FILE" "$@"

@@ -4,17 +4,14 @@ after set-up.
 
 Every rank calls `check_run` first thing (recipes/train.py). A single process also loads the
 tokenizer and parses every data record (`thorough`). With several ranks the launcher does that
-once instead, `python -m recipes.preflight NPROC FLAGS...` (run_train.sh runs it), so a mistake
-is printed once, before torchrun starts any rank; the ranks still find a data file changed in
-between while tokenizing, before they build a model. On success the launcher check prints the
-flags the launch adds on stdout: with more than one rank, mode "single" becomes "fsdp2" (a
-one-line notice says so).
+once instead (`check_launch`, from recipes/launch.py), so a mistake is printed once, before any
+rank starts; the ranks still find a data file changed in between while tokenizing, before they
+build a model. The launch of several ranks also adds flags: mode "single" becomes "fsdp2".
 """
 
 import errno
 import importlib.util
 import math
-import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -369,28 +366,12 @@ def _launch_device(nproc: int) -> torch.device:
     return torch.device("cuda", 0)
 
 
-def main(argv: list[str]) -> int:
-    """`python -m recipes.preflight NPROC FLAGS...`: the thorough checks of a launch of NPROC
-    ranks; prints the flags the launch adds (stdout) or one error line (stderr, exit code 2)."""
-    if not argv or not argv[0].isdigit():
-        print("usage: python -m recipes.preflight NPROC [--section.key=value ...]", file=sys.stderr)
-        return 2
-    nproc = int(argv[0])
-    try:
-        config = parse_config(argv[1:])
-        flags = launch_flags(config, nproc=nproc)
-        if flags:
-            config = parse_config([*argv[1:], *flags])
-        check_run(config, world=nproc, device=_launch_device(nproc), thorough=True)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def check_launch(argv: list[str], *, nproc: int) -> list[str]:
+    """The thorough checks of a launch of `nproc` ranks with the flags `argv`; returns the flags
+    the launch adds (launch_flags), or raises the ConfigError that refuses it."""
+    config = parse_config(argv)
+    flags = launch_flags(config, nproc=nproc)
     if flags:
-        print(f'notice: parallelism.mode = "single" runs one process; {nproc} ranks run '
-              f'"{MULTI_RANK_MODE}" (set --parallelism.mode to choose)', file=sys.stderr)
-    print(" ".join(flags))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+        config = parse_config([*argv, *flags])
+    check_run(config, world=nproc, device=_launch_device(nproc), thorough=True)
+    return flags

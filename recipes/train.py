@@ -7,8 +7,10 @@ the backend of `parallelism.mode` for one optimizer step, logs and saves (in the
 run resumed from a save (checkpoint.resume_from, see recipes/checkpoint.py) continues exactly
 where it stopped. Configuration errors are reported as one line (`error: ...`, exit code 2)
 before any work starts, and so is a run folder that another run holds (recipes/run_lock.py).
-Faults: a step with a non-finite loss or gradient skips its update (recipes/nonfinite.py), and
-the ranks end together when their launcher or one of them dies (recipes/liveness.py).
+Ctrl-C stops every rank after the same step, with a save: one line, exit code 130
+(recipes/interrupt.py). Faults: a step with a non-finite loss or gradient skips its update
+(recipes/nonfinite.py), and the ranks end together when their launcher or one of them dies
+(recipes/liveness.py).
 """
 
 import logging
@@ -29,6 +31,7 @@ from models.loss import IGNORE_INDEX
 from protocols.backend import Batch, StepResult, TrainBackend
 from recipes.checkpoint import TRAIN_STATE, CheckpointSaver, HFExport, read_meta, remove_saves
 from recipes.config import ConfigError, JobConfig, parse_config
+from recipes.interrupt import EXIT_CODE, catch_interrupt, interrupt_requested, stopped_line
 from recipes.liveness import exit_with_launcher, watching_peers
 from recipes.lr_schedule import LRSchedule
 from recipes.metrics import MetricsLogger, gpu_name, memory, new_run_name, throughput
@@ -113,12 +116,15 @@ def build_lr_schedule(config: JobConfig) -> LRSchedule:
                       min_lr_factor=sched.min_lr_factor)
 
 
-def _global_target_tokens(micro_batches: list[Batch], *, device: torch.device) -> int:
-    count = torch.tensor(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches),
-                         dtype=torch.int64, device=device)
+def _step_counts(micro_batches: list[Batch], *, device: torch.device) -> tuple[int, bool]:
+    """The step's loss targets over all ranks, and whether any rank got a Ctrl-C: the flag rides
+    the all-reduce the targets need anyway, so every rank sees the same answer at no extra cost."""
+    targets = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+    counts = torch.tensor([targets, interrupt_requested()], dtype=torch.int64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(count)
-    return int(count.item())
+        dist.all_reduce(counts)
+    targets, interrupted = counts.tolist()
+    return targets, interrupted > 0
 
 
 @dataclass
@@ -132,6 +138,8 @@ class StepOutcome:
     result: StepResult
     step_time: float
     """Seconds, from drawing the micro-batches to the backend's return."""
+    interrupted: bool
+    """A rank got a Ctrl-C before the step began: every rank stops after it."""
 
     @property
     def loss(self) -> float:
@@ -142,16 +150,16 @@ def train_steps(backend: TrainBackend, batches: Iterable[Batch], schedule: LRSch
                 steps: int, grad_accum_steps: int, device: torch.device,
                 start_step: int = 0) -> Iterator[StepOutcome]:
     """The loop proper: per step after `start_step` (the step a resumed run reached), draw the
-    micro-batches, count the global targets, step."""
+    micro-batches, count the global targets (and agree on a Ctrl-C), step."""
     batches = iter(batches)
     for step in range(start_step + 1, steps + 1):
         start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(grad_accum_steps)]
-        target_tokens = _global_target_tokens(micro_batches, device=device)
+        target_tokens, interrupted = _step_counts(micro_batches, device=device)
         lr = schedule.lr_at(step)
         result = backend.train_step(micro_batches, lr=lr, global_target_tokens=target_tokens)
         yield StepOutcome(step=step, lr=lr, target_tokens=target_tokens, result=result,
-                          step_time=time.perf_counter() - start)
+                          step_time=time.perf_counter() - start, interrupted=interrupted)
 
 
 def hf_exporter(config: JobConfig, args: QwenArgs) -> HFExport:
@@ -279,7 +287,9 @@ def _autopolicy(config: JobConfig, checked: CheckedRun, backend, *, rank: int, w
                 out=str(Path(config.job.dump_folder) / POLICY_FILE_NAME), log=logger.info)
 
 
-def train(config: JobConfig) -> None:
+def train(config: JobConfig) -> int | None:
+    """Run the training `config` describes; returns the step it stopped after if a Ctrl-C
+    stopped it (its save complete), None once it trained every step."""
     exit_with_launcher()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -303,8 +313,9 @@ def train(config: JobConfig) -> None:
             for path in remove_saves(config.checkpoint.save_dir):
                 logger.info("deleted %s (job.overwrite: a save of the run this one replaces)",
                             path)
+        # A stop at a Ctrl-C ends like a run done: every rank waits for rank 0's save to complete.
         with watching_peers(rank=rank, world=world, expected=(ConfigError, NonFiniteStop)):
-            _run(config, checked, rank=rank, world=world, device=device)
+            return _run(config, checked, rank=rank, world=world, device=device)
     finally:
         for lock in reversed(locks):  # a folder the run created and left unused goes
             lock.release()
@@ -313,7 +324,7 @@ def train(config: JobConfig) -> None:
 
 
 def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
-         device: torch.device) -> None:
+         device: torch.device) -> int | None:
     training = config.training
     name, args, resume_dir = checked.name, checked.args, checked.resume_dir
     if config.job.description:
@@ -355,6 +366,7 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
                             export_hf=hf_exporter(config, args)) if ckpt.save_dir else None
     nonfinite = NonFinitePolicy(training.nonfinite, limit=training.max_nonfinite_steps,
                                 log=rank == 0)
+    stopped = None
     try:
         start_step = 0
         if resume_dir is not None:
@@ -366,7 +378,8 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
             saved = {}
             if saver is not None:
                 saver.raise_failure()  # of a background save that has ended since
-                if out.step == training.steps or (ckpt.interval and out.step % ckpt.interval == 0):
+                if (out.step == training.steps or out.interrupted
+                        or (ckpt.interval and out.step % ckpt.interval == 0)):
                     meta = {**checked.run_meta, "run_name": metrics.run_name,
                             "data": batches.state_dict()}
                     saved["checkpoint_blocked_s"] = saver.save(out.step, meta)
@@ -379,6 +392,9 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
                 **memory(device), "step_time_s": out.step_time, **saved, **out.result.extra})
             nonfinite.observe(out.step, skipped=out.result.skipped, loss=out.loss,
                               grad_norm=out.result.grad_norm)
+            if out.interrupted:
+                stopped = out.step
+                break
     except BaseException:
         if saver is not None:  # the save in flight still completes, before the state goes
             try:
@@ -392,21 +408,28 @@ def _run(config: JobConfig, checked: CheckedRun, *, rank: int, world: int,
     finally:
         metrics.close()
         backend.close()
+    return stopped
 
 
 def main(argv: list[str] | None = None) -> int:
+    catch_interrupt()  # first: a Ctrl-C during the set-up stops the run after its first step
+    rank0 = int(os.environ.get("RANK", 0)) == 0  # every rank ends alike: rank 0 says why
     try:
         config = parse_config(sys.argv[1:] if argv is None else argv)
-        train(config)
+        stopped = train(config)
     except ConfigError as e:
-        if int(os.environ.get("RANK", 0)) == 0:  # every rank finds the same mistake: print once
+        if rank0:
             print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteStop as e:  # raised by every rank at the same step
-        if int(os.environ.get("RANK", 0)) == 0:
+        if rank0:
             print(f"error: {e}", file=sys.stderr)
         return 1
-    return 0
+    if stopped is None:
+        return 0
+    if rank0:
+        print(stopped_line(stopped, config.checkpoint.save_dir), file=sys.stderr)
+    return EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
-"""Processes that die: the launcher, one rank; and a second run on the same folders.
+"""Processes that die: the launcher, one rank; a second run on the same folders; Ctrl-C.
 
 Real 2-rank SlideDP runs over gloo, killed with SIGKILL: the ranks of a killed torchrun die with
 it, a run folder is locked while its run lives, a rank whose peer died ends within seconds
 naming it (with or without torchrun's agent), nothing of the run stays behind (its shared host
 state goes with its processes), and a restart resumes from the last complete save exactly.
+Ended by the user: a refused run and a Ctrl-C say so in one line with NGPU=2 as with one
+process (exit codes 2 and 130), and a Ctrl-C saves first.
 """
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -262,3 +265,77 @@ def test_a_killed_rank_ends_the_other_and_the_run_resumes_exactly(tmp_path, laun
     assert [r["step"] for r in resumed] == list(range(resumed_at + 1, STEPS + 1))
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in resumed] == [r[key] for r in reference[resumed_at:]], key
+
+
+def _isolated_env(tmp_path: Path, ngpu: int) -> dict[str, str]:
+    """run_train.sh's environment for NGPU=ngpu, with SlideDP's caches under tmp_path."""
+    return subprocess_env(NGPU=str(ngpu), SLIDEDP_CACHE_DIR=str(tmp_path / "cache"),
+                          SLIDEDP_RATES_DIR=str(tmp_path / "rates"))
+
+
+def test_a_folder_in_use_is_one_line_and_exit_code_2_with_two_ranks(tmp_path):
+    """The ranks find the lock (after torchrun started them): rank 0's line, and nothing of
+    torchrun's."""
+    out = tmp_path / "run"
+    lock = lock_folder(str(out), key="job.dump_folder")
+    try:
+        proc = subprocess.run(["./run_train.sh", *_train_flags(out, "--parallelism.mode=fsdp2",
+                                                               "--checkpoint.save_dir=")],
+                              cwd=REPO, env=_isolated_env(tmp_path, 2), capture_output=True,
+                              text=True, timeout=120)
+    finally:
+        lock.release()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"error: job.dump_folder: {out} is in use by another run (pid {os.getpid()}; lock file "
+        f"{out}/.lock); wait for it to end, or use another folder"], proc.stderr[-3000:]
+
+
+def _interrupt(tmp_path: Path, ngpu: int, *flags: str) -> tuple[int, list[str], int]:
+    """run_train.sh with NGPU=ngpu, and a Ctrl-C (SIGINT to its process group, as a terminal
+    sends it) once it logged a step; returns the exit code, the lines printed since then other
+    than rank 0's log, and the steps logged before the Ctrl-C."""
+    out, log = tmp_path / "run", tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["./run_train.sh", *_train_flags(out, "--training.steps=100000",
+                                                                 *flags)],
+                                cwd=REPO, env=_isolated_env(tmp_path, ngpu), stdout=f, stderr=f,
+                                start_new_session=True)
+    try:
+        _wait_for_steps(out, 1, [proc], log)
+        logged = len((out / "metrics.jsonl").read_text().splitlines())
+        before = log.read_text()
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        kill_process_tree(proc.pid)
+    since = log.read_text()[before.rfind("\n") + 1:]
+    said = [line for line in since.splitlines()
+            if not re.match(r"\[rank0\] \d\d:\d\d:\d\d ", line)]
+    return code, said, logged
+
+
+def _steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("ngpu, mode", [(1, "single"), (2, "slidedp")])
+def test_ctrl_c_saves_and_says_so_in_one_line(tmp_path, ngpu, mode):
+    """Every rank stops after the same step and saves it (its records and its save end there);
+    rank 0 says where, exit code 130, and the other rank says nothing."""
+    code, said, logged = _interrupt(tmp_path, ngpu, f"--parallelism.mode={mode}")
+    out = tmp_path / "run"
+    steps = _steps(out)
+    stop = steps[-1]
+    assert code == 130, said
+    assert said == [f"interrupted at step {stop}; last save {out}/hf/step-{stop} (continue with "
+                    "--checkpoint.resume_from=latest)"]
+    assert steps == list(range(1, stop + 1)) and stop >= logged
+    assert latest_checkpoint(str(out / "hf")) == out / "hf" / f"step-{stop}"
+
+
+def test_ctrl_c_without_a_save_dir_says_there_is_no_save(tmp_path):
+    code, said, _ = _interrupt(tmp_path, 1, "--parallelism.mode=single", "--checkpoint.save_dir=")
+    assert code == 130, said
+    assert said == [f"interrupted at step {_steps(tmp_path / 'run')[-1]}; not saved "
+                    "(checkpoint.save_dir is not set)"]
