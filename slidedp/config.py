@@ -66,7 +66,9 @@ class SlideDPConfig:
     shard, 14 B/param) in GPU memory, update there with torch's fused AdamW and are delivered
     from there, the host copy refreshed only for saves: the next forward needs them first, so
     under clipping it no longer waits for their CPU updates. One micro-batch, reduction = "gpu",
-    delivery = "sharded" on several ranks (slidedp/gpu_update.py)."""
+    delivery = "sharded" on several ranks (slidedp/gpu_update.py). All of them, with
+    embedding_update = "resident": the head's too, and the step's norm and clipping are taken on
+    the GPU, so its updates are queued behind backward without a host sync."""
     bf16_shadow: bool = True
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
     as the delivery source (half the H2D bytes; without it the FP32 master is copied and cast on

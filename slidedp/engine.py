@@ -37,6 +37,9 @@ docs/PERFORMANCE.md). A step whose global norm or loss is not
 finite updates nothing: it only restores the shadow that held its gradients and opens its version
 gates. With the guard off and no clipping, updates run during backward, unit by unit, as soon as
 each gradient is home, and what backward leaves over runs in the next step's order.
+When every unit's update runs on the GPU (`_norm_on_device`), the norm, the clipping coefficient
+and the guard's test are taken there too, and the updates are queued behind backward before the
+host reads the norm: fused AdamW scales each gradient and skips a non-finite step on the device.
 """
 
 import contextlib
@@ -68,8 +71,8 @@ from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Off
                                  measure_costs, offload_bytes)
 from slidedp.config import EmbeddingUpdate, SlideDPConfig
 from slidedp.delivery import Delivery
-from slidedp.gpu_update import (PREFETCH_AT_BLOCK, STATE_REGIONS, GpuUpdate, check_gpu_updates,
-                                gpu_updated_units)
+from slidedp.gpu_update import (PREFETCH_AT_BLOCK, STATE_REGIONS, GpuUpdate, GradScale,
+                                check_gpu_updates, device_clip, gpu_updated_units)
 from slidedp.host_state import (Hold, HostStatePlan, SharedHostState, StepAborted,
                                 available_host_bytes, host_state_bytes, updates_deferred)
 from slidedp.layout import StateLayout, Unit, chunk_elems
@@ -272,7 +275,7 @@ class SlideDPBackend:
                           world=self.world)
         self._drain()
         self.cfg = cfg
-        units = gpu_updated_units(cfg)
+        units = gpu_updated_units(cfg, self.args.n_layers)
         self.state.pin_units(sorted(units), STATE_REGIONS)
         self.gpu_updates = {
             index: GpuUpdate(self.state, self.streams, self.optimizer.hyper,
@@ -535,10 +538,11 @@ class SlideDPBackend:
         return returned
 
     def _update_job(self, route: GradientReturn, unit: Unit, hold: Hold, returned: Future, *,
-                    coef: float, skip: bool, lr: float, adam_step: int, version: int,
-                    tail: _UpdateTail) -> None:
-        """The unit's update from where its gradient waited (scaled by `coef`); a skipped
-        step's only restores what held the gradient and opens the version gate."""
+                    coef: float | GradScale, skip: bool, lr: float, adam_step: int,
+                    version: int, tail: _UpdateTail) -> None:
+        """The unit's update from where its gradient waited (scaled by `coef`, a GradScale for
+        a unit updated on the GPU only); a skipped step's only restores what held the gradient
+        and opens the version gate."""
         held = returned.result()
         if self._updated_on_gpu(unit):
             if skip:
@@ -589,15 +593,23 @@ class SlideDPBackend:
     def _updated_on_gpu(self, unit: Unit) -> bool:
         return unit.index in self.gpu_updates
 
-    def _update_on_gpu(self, route: GradientReturn, returned: Returned, *, coef: float,
-                       lr: float, adam_step: int, version: int, tail: _UpdateTail) -> None:
+    @property
+    def _norm_on_device(self) -> bool:
+        """The step's updates wait for its norm and every unit's runs on the GPU (one micro-batch,
+        the gpu route): the norm, the clipping coefficient and the non-finite test are taken
+        there too (gpu_update.device_clip)."""
+        return self.deferred and len(self.gpu_updates) == len(self.layout.units)
+
+    def _update_on_gpu(self, route: GradientReturn, returned: Returned, *,
+                       coef: float | GradScale, lr: float, adam_step: int, version: int,
+                       tail: _UpdateTail) -> None:
         """The unit's AdamW on the GPU (slidedp/gpu_update.py); its version gate opens once the
         delivery source is home (resident: once the update is issued)."""
         unit = returned.unit
         self._wait_save(unit, version)
         with self._timed("gpu_update_s"):
             self.gpu_updates[unit.index].update(returned.shard, self.streams.record(route.stream),
-                                                coef=coef, lr=lr, step=adam_step)
+                                                scale=coef, lr=lr, step=adam_step)
         returned.shard = None
         self._set_version(unit, version, tail)
 
@@ -747,6 +759,19 @@ class SlideDPBackend:
                                       labels.to(self.device, non_blocking=True), rope,
                                       global_tokens=global_target_tokens, micro=micro,
                                       n_micro=n_micro, lr=lr, hold=hold, tail=tail)
+        step = dict(lr=lr, adam_step=self.adam_steps + 1, version=self.steps_done + 1, tail=tail)
+        device_totals = None
+        if self._norm_on_device:
+            # Every update reads its gradient on the GPU: they are queued now, behind backward,
+            # scaled and skipped there as the step's norm says, while the host waits below.
+            for returned in self._returns:
+                returned.result()  # every unit's norm is issued
+            device_totals, scale = device_clip(
+                self.grad_return.take_device_normsq(), loss, max_norm=self.max_norm,
+                guard=self.guard, group=self._reduce_group, streams=self.streams)
+            for unit in self.layout.units:
+                self._queue_update(unit, hold, self._returned[unit.index], coef=scale,
+                                   skip=False, **step)
         # What the step waits for after the GPUs finish its compute: its gradients coming home
         # (and on the cpu route without deferral their updates, which take the norm).
         Streams.synchronize(self.streams.record())
@@ -754,23 +779,26 @@ class SlideDPBackend:
         for returned in self._returns:
             returned.result()
         t_returned = time.perf_counter()
-        self._normsq += self.grad_return.take_normsq()
-        totals = torch.tensor([self._normsq, float(loss)], dtype=torch.float64)
-        self._normsq = 0.0
-        if self.world > 1:
-            dist.all_reduce(totals, group=self.host_group)
+        if device_totals is not None:
+            totals = device_totals.cpu()
+        else:
+            self._normsq += self.grad_return.take_normsq()
+            totals = torch.tensor([self._normsq, float(loss)], dtype=torch.float64)
+            self._normsq = 0.0
+            if self.world > 1:
+                dist.all_reduce(totals, group=self.host_group)
         grad_norm, loss_sum = math.sqrt(totals[0].item()), totals[1].item() * global_target_tokens
         self.steps_done += 1
         # Global values: every rank takes the same decision.
         skipped = self.guard and not (math.isfinite(grad_norm) and math.isfinite(loss_sum))
         if not skipped:
             self.adam_steps += 1
-        if self.deferred:  # skipped: nothing is updated, the next step may read every unit
+        if self.deferred and device_totals is None:
+            # Skipped: nothing is updated, the next step may read every unit.
             coef = min(1.0, self.max_norm / (grad_norm + 1e-6)) if self.max_norm > 0 else 1.0
             for unit in self.layout.units:
                 self._queue_update(unit, hold, self._returned[unit.index], coef=coef,
-                                   skip=skipped, lr=lr, adam_step=self.adam_steps,
-                                   version=self.steps_done, tail=tail)
+                                   skip=skipped, **step)
         if self.style.update_after_backward:  # none overlaps the next step
             self._drain()
         extra = self.traffic.take()

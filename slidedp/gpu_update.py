@@ -11,7 +11,8 @@ arrival opens the unit's version gate, then the rest of the FP32 state, whose ar
 (`wait_home`) saves and the next step's prefetch wait for. Semantics are those of the host
 update: the same gradient, clipping coefficient, learning rate and step count.
 
-Resident (slidedp.embedding_update = "resident", and the first slidedp.gpu_state_blocks blocks):
+Resident (slidedp.embedding_update = "resident", the first slidedp.gpu_state_blocks blocks, and
+the head when those are all the others):
 the copies are the unit's optimizer state, kept on the GPU from the first update on (ZeRO-Offload++'s
 partial offload, per unit), with a BF16 copy of the shard that each update writes and the unit's
 delivery reads on the GPU (`delivery_source`): nothing crosses PCIe per step, and the version
@@ -26,9 +27,11 @@ their own shards (slidedp.delivery = "sharded", or one rank).
 On the CPU (tests) the "device" copies are ordinary tensors and every copy is synchronous.
 """
 
+from dataclasses import dataclass
 from typing import get_args
 
 import torch
+import torch.distributed as dist
 from torch.optim.adamw import adamw
 
 from slidedp.config import EmbeddingUpdate, SlideDPConfig
@@ -66,20 +69,55 @@ def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: in
         raise ValueError(f'{what} needs slidedp.runtime = "slidedp", slidedp.reduction = "gpu" '
                          f'and training.grad_accum_steps = 1 (got {cfg.runtime!r}, '
                          f'{cfg.reduction!r}, {grad_accum_steps})')
-    if world > 1 and cfg.delivery == "replicated" and any(gpu_updated_units(cfg).values()):
+    if (world > 1 and cfg.delivery == "replicated"
+            and any(gpu_updated_units(cfg, n_layers).values())):
         # A resident unit's new weights stay on its owner's GPU: peers cannot copy that shard.
         raise ValueError('resident optimizer state (slidedp.gpu_state_blocks > 0, or '
                          'slidedp.embedding_update = "resident") on several ranks needs '
                          'slidedp.delivery = "sharded"')
 
 
-def gpu_updated_units(cfg: SlideDPConfig) -> dict[int, bool]:
-    """The unit indices (0 the embedding, 1 + i block i) whose AdamW runs on the GPU, each with
-    whether its state stays there."""
+def gpu_updated_units(cfg: SlideDPConfig, n_layers: int) -> dict[int, bool]:
+    """The unit indices (0 the embedding, 1 + i block i, 1 + n_layers the head) whose AdamW runs
+    on the GPU, each with whether its state stays there. The head's state stays there too when
+    every other unit's does, so that no update is left to the host."""
     units = {1 + i: True for i in range(cfg.gpu_state_blocks)}
     if cfg.embedding_update != "host":
         units[0] = cfg.embedding_update == "resident"
+    if cfg.embedding_update == "resident" and cfg.gpu_state_blocks == n_layers:
+        units[1 + n_layers] = True
     return units
+
+
+@dataclass(frozen=True)
+class GradScale:
+    """What a GPU update does to its gradient, as the device tensors fused AdamW reads: divides it
+    by `divisor` (1 / the clipping coefficient; None: by 1) and skips the update where `found_inf`
+    is 1 (None: never); both are complete at `ready`."""
+
+    divisor: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+
+def device_clip(normsq: torch.Tensor, loss: torch.Tensor, *, max_norm: float, guard: bool,
+                group: dist.ProcessGroup | None,
+                streams: Streams) -> tuple[torch.Tensor, GradScale]:
+    """The step's totals (squared gradient norm, loss) summed over `group`'s ranks, and the
+    GradScale of clipping to `max_norm` (0: none) and of the non-finite guard, issued on the
+    current stream from this rank's device tensors: for a step whose every update runs on the
+    GPU, so that they are queued without the host reading the norm first. The formula is the
+    host's (engine.py): coef = min(1, max_norm / (norm + 1e-6))."""
+    totals = torch.stack([normsq.double(), loss.double()])
+    if group is not None:
+        dist.all_reduce(totals, group=group)
+    divisor = found_inf = None
+    if max_norm > 0:
+        coef = (max_norm / (totals[0].sqrt() + 1e-6)).clamp(max=1.0)
+        divisor = coef.reciprocal().float()
+    if guard:
+        found_inf = torch.isfinite(totals).all().logical_not().float()
+    return totals, GradScale(divisor, found_inf, streams.record())
 
 
 STATE_REGIONS = ("master", "exp_avg", "exp_avg_sq")
@@ -162,12 +200,13 @@ class GpuUpdate:
         for (the last update's). Else None: the delivery reads the host."""
         return None if self._weights is None else (self._weights, self._weights_ready)
 
-    def update(self, grad: torch.Tensor, ready: torch.cuda.Event | None, *, coef: float,
-               lr: float, step: int) -> None:
+    def update(self, grad: torch.Tensor, ready: torch.cuda.Event | None, *,
+               scale: float | GradScale, lr: float, step: int) -> None:
         """AdamW of the shard with `grad` (its BF16 summed gradient on the GPU, complete at
-        `ready`) scaled by `coef`, at Adam step `step`. Returns once the delivery source is
-        home (resident: once the update is issued; the source is on the GPU), and the caller
-        then opens the version gate; the FP32 state follows (`wait_home`)."""
+        `ready`) scaled by `scale` (the host's clipping coefficient) or as a GradScale says,
+        at Adam step `step`. Returns once the delivery source is home (resident: once the update
+        is issued; the source is on the GPU), and the caller then opens the version gate; the
+        FP32 state follows (`wait_home`)."""
         self.prefetch()  # issued at PREFETCH_AT_BLOCK unless the model has fewer blocks
         pieces = self._pieces
         if not self.resident:
@@ -175,17 +214,21 @@ class GpuUpdate:
         h, source = self.hyper, "shadow" if self.state.plan.bf16_shadow else "master"
         with self.streams.use(self.stream):
             self.streams.wait(ready, self.stream)
+            if not isinstance(scale, GradScale):
+                scale = GradScale(None if scale == 1.0 else torch.full(
+                    (), 1.0 / scale, dtype=torch.float32, device=self.streams.device))
+            self.streams.wait(scale.ready, self.stream)
             if self.streams.is_cuda:
                 grad.record_stream(self.stream)
             for a, b, param, exp_avg, exp_avg_sq in pieces:
+                # A copy (the gradient is BF16): the kernel divides it by the divisor in place.
                 g = grad[a - self.lo:b - self.lo].float()
-                if coef != 1.0:
-                    g.mul_(coef)
                 # The step count as torch keeps it: the kernel adds one before using it.
                 count = torch.full((), float(step - 1), device=param.device)
                 adamw([param], [g], [exp_avg], [exp_avg_sq], [], [count], fused=True,
-                      amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=lr,
-                      weight_decay=h.weight_decay, eps=h.eps, maximize=False)
+                      grad_scale=scale.divisor, found_inf=scale.found_inf, amsgrad=False,
+                      beta1=h.beta1, beta2=h.beta2, lr=lr, weight_decay=h.weight_decay,
+                      eps=h.eps, maximize=False)
                 if self.resident:
                     self._weights[a - self.lo:b - self.lo].copy_(param)
                     continue

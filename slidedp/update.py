@@ -104,6 +104,14 @@ class GradientReturn:
             value, self._normsq = value + float(self._normsq), None
         return value
 
+    def take_device_normsq(self) -> torch.Tensor:
+        """gpu route: what `take_normsq` returns, as a device tensor that the current stream
+        waits for on the device, not the host: for a step whose every gradient stays on the
+        GPU."""
+        normsq, self._normsq = self._normsq, None
+        self.streams.wait(self._norm_done)
+        return normsq
+
     def start(self, unit: Unit, flat_grad: torch.Tensor, ready: torch.cuda.Event | None,
               token: int, *, norm: bool, home: bool = True) -> Returned:
         """The part of the return that involves the other ranks, issued on the return stream.

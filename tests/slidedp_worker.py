@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from models.flavors import get_flavor
 from protocols.reconfigure import Knobs
 from recipes.config import JobConfig
 from slidedp.engine import SlideDPBackend
+from slidedp.gpu_update import device_clip
 
 
 def global_batches(*, steps: int, accum: int, batch: int, seq: int, vocab: int, seed: int):
@@ -121,6 +123,8 @@ def main() -> None:
         predicted = accum * sum(backend.activation_costs[p].host.at(a.batch, a.seq)
                                   for p in backend.policies) / 2**20
         losses, norms, counters = [], [], []
+        # Counts the steps whose norm and clipping were taken on the device.
+        clips = mock.patch("slidedp.engine.device_clip", wraps=device_clip).start()
         for step, micro in enumerate(data):
             if route_steps:
                 delivery, reduction = route_steps[step]
@@ -132,6 +136,7 @@ def main() -> None:
             losses.append(r.loss_sum / ntok)
             norms.append(r.grad_norm)
             counters.append({k: v for k, v in r.extra.items() if k.startswith(("traffic_", "host_"))})
+        mock.patch.stopall()
         weights = {n: t.clone() for n, t in backend.named_master_parameters()}
         backend.close()
         calls = [len(updates)] * world  # every rank's host update calls (with a delay)
@@ -143,7 +148,8 @@ def main() -> None:
                             "counters": counters, "predicted_offload_mb": predicted,
                             "host_mapped_bytes": mapped,
                             "updated_units": [unit for unit, _, _ in updates],
-                            "update_calls_per_rank": calls})
+                            "update_calls_per_rank": calls,
+                            "device_clips": clips.call_count})
     if rank == 0:
         with open(os.path.join(a.out, "results.json"), "w") as f:
             json.dump(results, f)

@@ -63,6 +63,9 @@ OPTIONS = [
             "window_slots": 2}),
     Option("resident-state", {"embedding_update": "resident", "gpu_state_blocks": 3,
                               "update_order": "next_use"}),
+    # Every unit resident: the norm and clipping are taken on the GPU (gpu_update.device_clip).
+    Option("all-resident", {"embedding_update": "resident", "gpu_state_blocks": LAYERS,
+                            "update_order": "next_use"}),
     Option("resident-state-no-clipping", {"embedding_update": "resident", "gpu_state_blocks": 6},
            max_norm=0.0),
     Option("next-use", {"update_order": "next_use"}),

@@ -144,15 +144,20 @@ def test_single_skips_a_nonfinite_step_exactly(poison):
     assert steps and all(int(v) == 3 for v in steps.values())
 
 
+_ALL_RESIDENT = {"reduction": "gpu", "embedding_update": "resident",
+                 "gpu_state_blocks": ARGS.n_layers}
 # Every way SlideDP updates: the guard's deferred updates without clipping (both routes), the
 # clipped ones (their gradients waiting in the shadow, or without one in the BF16 buffer), with
-# accumulation; and "off", which updates during backward.
+# accumulation, every unit's update on the device; and "off", which updates during backward.
 SLIDEDP_CASES = {"gpu": ({"reduction": "gpu"}, 1, 0.0, "loss"),
                  "cpu": ({"reduction": "cpu", "delivery": "replicated"}, 1, 0.0, "grad"),
                  "gpu-clip": ({"reduction": "gpu"}, 1, 0.05, "grad"),
                  "gpu-clip-no-shadow": ({"reduction": "gpu", "bf16_shadow": False}, 1, 0.05,
                                         "loss"),
-                 "cpu-accum": ({"reduction": "cpu"}, 2, 0.0, "loss")}
+                 "cpu-accum": ({"reduction": "cpu"}, 2, 0.0, "loss"),
+                 # Every unit's state on the device: found_inf skips the fused AdamW there.
+                 "resident-clip": (_ALL_RESIDENT, 1, 0.05, "grad"),
+                 "resident-guard": (_ALL_RESIDENT, 1, 0.0, "loss")}
 # Each two-rank test's comparison, by the test's name: all in one launch of two ranks.
 two_ranks = ranks_fixture({
     "test_fsdp2_skips_a_nonfinite_step_exactly": (_compare, ("fsdp2", {}, 2, 0.0, "grad")),

@@ -22,6 +22,8 @@ import torch
 from models.flavors import get_flavor
 from protocols.reconfigure import Knobs
 from recipes.baselines.eager import build_single_backend
+from slidedp.config import SlideDPConfig
+from slidedp.gpu_update import gpu_updated_units
 from slidedp.layout import SHARD_ALIGN, StateLayout
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.schedule import Use, plan_micro_batch
@@ -327,7 +329,9 @@ CASES["test_units_updated_on_the_device[clipped]"] = Case(
         {**_ON_GPU, "delivery": "sharded"},
         {**_ON_GPU, "delivery": "replicated", "bf16_shadow": False, "chunk_mib": ODD_CHUNK},
         {**_RESIDENT, "gpu_state_blocks": 2, "update_order": "next_use"},
-        {**_ON_GPU, "gpu_state_blocks": 1, "bf16_shadow": False}])
+        {**_ON_GPU, "gpu_state_blocks": 1, "bf16_shadow": False},
+        # Every unit on the device: the norm and clipping are taken there (device_clip).
+        {**_RESIDENT, "gpu_state_blocks": 4, "update_order": "next_use"}])
 CASES["test_units_updated_on_the_device[during_backward]"] = Case(
     3, "qwen2.5-debug", steps=3, accum=1, max_norm=0.0, variants=[
         {**_ON_GPU, "nonfinite": "off"},
@@ -351,9 +355,12 @@ def test_units_updated_on_the_device(request, slidedp_runs, run):
     units = StateLayout(get_flavor(case.flavor), world=case.world).units
     for r in results:
         v, steps = r["variant"], len(r["counters"])
-        on_gpu = {1 + i: True for i in range(v.get("gpu_state_blocks", 0))}
-        on_gpu[0] = v["embedding_update"] == "resident"
-        assert r["updated_units"] and not set(on_gpu) & set(r["updated_units"]), v
+        on_gpu = gpu_updated_units(SlideDPConfig(
+            embedding_update=v["embedding_update"], gpu_state_blocks=v.get("gpu_state_blocks", 0)),
+            n_layers=get_flavor(case.flavor).n_layers)
+        assert set(r["updated_units"]) == {u.index for u in units} - set(on_gpu), v
+        every_unit = len(on_gpu) == len(units) and case.max_norm > 0
+        assert r["device_clips"] == (steps if every_unit else 0), v
         shard_mb = {i: units[i].padded // case.world / 2**20 for i in on_gpu}
         shadow = v.get("bf16_shadow", True)
         # Per update: resident, nothing (the delivery reads the GPU's copy); streamed, the FP32

@@ -224,3 +224,16 @@ def test_resident_state_takes_the_updates_and_the_deliveries_off_the_host():
     gpu_extra = sum(e * GPU_ADAM_BYTES + 4 * e for e in s.unit_elems[:5]) / 4000e9
     assert resident.demand_s["gpu compute"] - host.demand_s["gpu compute"] == pytest.approx(
         gpu_extra, rel=1e-6)
+
+
+def test_every_unit_resident_queues_the_updates_behind_backward():
+    """With the head resident too, the norm is taken on the GPU (engine: _norm_on_device): the
+    updates follow backward there instead of the host's step end, and the host moves nothing.
+    The model counts no host time for issuing a GPU update, so on this GPU-bound step the edge
+    it saves is mostly hidden."""
+    r, s, _, _ = embedding_cases(deferred=True, grad_accum=True)
+    but_head = simulate_step(replace(s, resident_units=frozenset(range(5))), r)
+    every = simulate_step(replace(s, resident_units=frozenset(range(6))), r)
+    assert every.demand_s["cpu update"] == 0
+    assert every.demand_s["h2d per GPU"] == every.demand_s["d2h per GPU"] == 0
+    assert every.step_s <= but_head.step_s

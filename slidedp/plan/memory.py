@@ -335,7 +335,7 @@ def slidedp_footprint(config, args: QwenArgs, *, world: int) -> Footprint:
     # The units the GPU updates (slidedp/gpu_update.py): this rank's shard of their FP32 master
     # and moments, and the update's FP32 and BF16 gradient pieces; resident ones for the whole
     # run with the shard's BF16 copy, the streamed embedding from its prefetch to its update.
-    gpu = [(layout.units[i].padded // world, r) for i, r in gpu_updated_units(cfg).items()]
+    gpu = [(layout.units[i].padded // world, r) for i, r in gpu_updated_units(cfg, args.n_layers).items()]
     pieces = max((min(shard, GPU_CHUNK) * (4 + 2) for shard, _ in gpu), default=0)
     state = sum(shard * 14 for shard, resident in gpu if resident)
     update = sum(shard * 12 for shard, resident in gpu if not resident)

@@ -32,7 +32,9 @@ the state follows on the same stream. Units whose state is resident on the GPU (
 embedding_update = "resident") are updated there too, first after the norm, but nothing goes
 home: the update thread only issues the update, the version gate waits for it on the device,
 and the unit's delivery is a copy on the GPU from its BF16 copy (the first simulated step, before
-the state is there, delivers from the host).
+the state is there, delivers from the host). When every unit is updated there, the updates follow
+the compute thread's last issue and backward on the GPU, not the host's step end (the norm is
+taken on the GPU).
 
 SlideFormer's data parallelism (its published design, docs/DESIGN.md §4 of the brief) is the
 `schedule = "slideformer"` variant: replicated delivery cast from FP32 on the CPU, every rank
@@ -294,7 +296,12 @@ class _Builder:
                                    kind="drain"))
         end = self.add(tuple(f"host:{r}" for r in range(R)), fixed=STEP_EDGE_S, deps=drains,
                        kind="step end")
-        return end, self._deferred_updates(end) if spec.deferred else None
+        if not spec.deferred:
+            return end, None
+        # Every unit updated on the GPU: the norm is taken there and the updates are queued
+        # behind backward (engine: _norm_on_device), not after the host's step end.
+        on_device = all(self._on_gpu(u) for u in range(len(spec.unit_elems)))
+        return end, self._deferred_updates(host if on_device else [end] * R)
 
     def _owners(self, r: int) -> list[int]:
         """Ranks whose update of a unit rank r's delivery of it waits for."""
@@ -459,13 +466,14 @@ class _Builder:
         synced = self.add(f"uthread:{r}", deps=[home], kind="sync")
         return synced, synced
 
-    def _deferred_updates(self, step_end: int) -> list[int]:
-        """After the norm: every rank updates its shards unit by unit in forward order (the
-        engine's _apply_job); each unit's version is stored when it is done."""
+    def _deferred_updates(self, after: list[int]) -> list[int]:
+        """After the norm (rank r's updates after task after[r]): every rank updates its shards
+        unit by unit in forward order (the engine's _update_job); each unit's version is stored
+        when it is done."""
         spec, ends = self.spec, []
         sf = spec.schedule == "slideformer"
         for r in [0] if sf else range(spec.world):
-            prev = [step_end]
+            prev = [after[r]]
             # The GPU's first (engine: UpdateQueue), each unit in forward order.
             order = sorted(range(len(spec.unit_elems)), key=lambda u: not self._on_gpu(u))
             for unit in order:
