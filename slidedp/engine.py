@@ -88,6 +88,20 @@ from slidedp.update_order import UPDATE_ORDERS, UpdateQueue
 
 PARALLEL_INIT_PARAMS = 1_000_000_000
 
+
+class _Laps:
+    """Wall seconds of the build's phases (SlideDPBackend.build_s), each from the end of the one
+    before: where a start of a minute goes."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase], self._last = now - self._last, now
+
+
 class _UpdateTail:
     """When the last update of a step ended, against the end of the step's GPU compute."""
 
@@ -108,6 +122,8 @@ class SlideDPBackend:
     def __init__(self, job_config, model_args: QwenArgs, *, device: torch.device, dp_rank: int,
                  dp_world: int):
         tr, opt = job_config.training, job_config.optimizer
+        lap = _Laps()
+        self.build_s = lap.seconds
         # The runtime style (slidedp/peer_styles.py) sets its own routes and shadow.
         self.style = RUNTIME_STYLES[job_config.slidedp.runtime]
         cfg = self.style.configure(job_config.slidedp)
@@ -141,14 +157,17 @@ class SlideDPBackend:
                                           blocks=cfg.activation_blocks,
                                           keep_blocks=cfg.keep_blocks))
         self._check_host_memory(plan, offload_pool=self._offload_pool_bytes(*self._micro_shape))
+        lap("checks and activation costs")
 
         distributed = dp_world > 1
         self.host_group = dist.new_group(backend="gloo") if distributed else None
         self.state = SharedHostState(self.layout, plan, rank=dp_rank, world=dp_world,
                                      share=self._share, barrier=self._barrier,
                                      pin=device.type == "cuda")
+        lap("host state")
         self._init_weights(hf_dir=job_config.model.hf_dir, seed=tr.seed)
         self._barrier()
+        lap("weights")
 
         # Separate communicators: delivery and reduction run in their own threads, so each needs
         # collectives that are ordered only among themselves.
@@ -170,6 +189,7 @@ class SlideDPBackend:
         self._pending: list[Future] = []
         self.gpu_updates: dict[int, GpuUpdate] = {}  # by unit index
         self._set_gpu_updates(cfg.embedding_update)
+        lap("groups and GPU updates")
         self._prefetch_block = min(PREFETCH_AT_BLOCK, model_args.n_layers - 1)
         self._set_routes(delivery=cfg.delivery, reduction=cfg.reduction, chunk_mib=None)
 
@@ -184,6 +204,7 @@ class SlideDPBackend:
         self.weight_refs = WeightRefs(self.buffers, lambda u: self.buffers[self._unit_buffer[u]])
         self.offloader = Offloader(self.streams, self.traffic)
         self._ensure_offload_pool(*self._micro_shape, checked=True)
+        lap("routes, window and offload pool")
 
         self._deliverer = ThreadPoolExecutor(1, thread_name_prefix="slidedp-deliver",
                                              initializer=self.streams.bind_thread)
@@ -421,10 +442,17 @@ class SlideDPBackend:
                 mine = self.layout.units
         else:
             mine = self.layout.units[self.rank::self.world]
-            for unit in mine:
+
+            def draw(unit: Unit) -> None:
                 gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
                 for p in unit.params:
                     self._init_parameter(p.name, generator=gen)
+
+            # torch's CPU normal_ draws on one core; one generator per unit makes the units
+            # independent, so this rank's share of the cores draws them at once, same values.
+            with ThreadPoolExecutor(cpu_adam.default_num_threads(local_world=self.local_world),
+                                    thread_name_prefix="slidedp-init") as pool:
+                list(pool.map(draw, mine))
         if self.state.plan.bf16_shadow:
             for unit in mine:
                 self.state.unit_view("shadow", unit.index).copy_(self.state.unit_view("master", unit.index))

@@ -51,11 +51,12 @@ def _lockstep(flavor: str, layers: int, *, max_norm: float, where: str, steps: i
     """(single's loss, SlideDP's, single's gradient norm, SlideDP's) per step, both from the same
     init on the same batches; SlideDP with its embedding updated where `where` says
     (slidedp.embedding_update), and with a "+blocks" suffix the first half of the blocks' state
-    resident on the GPU too (slidedp.gpu_state_blocks)."""
+    resident on the GPU too (slidedp.gpu_state_blocks), with "+all" every block's (then the
+    head's too, and the norm is taken on the GPU)."""
     device = torch.device("cuda", 0)
     args = replace(get_flavor(flavor), n_layers=layers)
-    where, plus, _ = where.partition("+")
-    resident = layers // 2 if plus else 0
+    where, _, plus = where.partition("+")
+    resident = {"": 0, "blocks": layers // 2, "all": layers}[plus]
     cfg = make_config({"embedding_update": where, "nonfinite": "skip" if max_norm else "off",
                        "gpu_state_blocks": resident, "update_order": "next_use"},
                       accum=1, max_norm=max_norm, kernels="liger", batch=batch, seq=seq)
@@ -89,7 +90,8 @@ def _lockstep(flavor: str, layers: int, *, max_norm: float, where: str, steps: i
     ("qwen3-1.7B", 28, 2, 1024), ("qwen3-4B", 8, 8, 4096), ("qwen2.5-7B", 6, 8, 4096)],
     ids=["qwen3-1.7B-28x2x1024", "qwen3-4B-8x8x4096", "qwen2.5-7B-6x8x4096"])
 @pytest.mark.parametrize("max_norm", [0.0, 1.0])
-@pytest.mark.parametrize("where", ["gpu", "host", "resident+blocks", "gpu+blocks"])
+@pytest.mark.parametrize("where",
+                         ["gpu", "host", "resident+blocks", "gpu+blocks", "resident+all"])
 def test_embedding_update_trains_as_single_at_real_size(flavor, layers, batch, seq, max_norm,
                                                         where):
     rows = _lockstep(flavor, layers, max_norm=max_norm, where=where, batch=batch, seq=seq)

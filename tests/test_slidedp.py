@@ -22,6 +22,7 @@ import torch
 from models.flavors import get_flavor
 from protocols.reconfigure import Knobs
 from recipes.baselines.eager import build_single_backend
+from recipes.config import JobConfig
 from slidedp.config import SlideDPConfig
 from slidedp.gpu_update import gpu_updated_units
 from slidedp.layout import SHARD_ALIGN, StateLayout
@@ -934,3 +935,28 @@ def test_pinning_units_makes_one_registration_widened_over_those_it_overlaps():
     assert widened([(0, 16)], 4, 8) is None
     assert widened([(0, 4), (10, 12)], 2, 8) == ((0, 8), [(0, 4)])
     assert widened([(0, 4), (6, 12)], 2, 8) == ((0, 12), [(0, 4), (6, 12)])
+
+
+def test_a_large_models_units_are_drawn_at_once_as_drawn_one_by_one(monkeypatch):
+    """Above PARALLEL_INIT_PARAMS each unit draws from a generator of its own, on threads that
+    draw several units at once: every unit's master is what its own generator draws alone, in
+    the unit's parameter order, and the shadow is its BF16 copy."""
+    import slidedp.engine as engine
+    from models.qwen import init_parameter
+
+    monkeypatch.setattr(engine, "PARALLEL_INIT_PARAMS", 0)
+    args = get_flavor("qwen3-debug")
+    backend = engine.SlideDPBackend(make_config({}, accum=1, max_norm=1.0), args,
+                                    device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    try:
+        seed = JobConfig().training.seed
+        for unit in backend.layout.units:
+            gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
+            for p in unit.params:
+                want = torch.empty(p.shape)
+                init_parameter(p.name, want, generator=gen)
+                assert torch.equal(backend._master_view(p.name), want), p.name
+            assert torch.equal(backend.state.unit_view("shadow", unit.index),
+                               backend.state.unit_view("master", unit.index).bfloat16())
+    finally:
+        backend.close()

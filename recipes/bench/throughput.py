@@ -245,8 +245,11 @@ def main() -> None:
         backend = build_backend(_config(a, routes[0] if a.mode == "slidedp" else "sharded/gpu"),
                                 args, device=device, dp_rank=rank, dp_world=world)
     if rank == 0:
-        print(f"[bench] {a.mode} {a.flavor} built in {time.perf_counter() - t0:.1f}s; "
-              f"{kernels.describe()} -> {attention_op}", flush=True)
+        phases = ", ".join(f"{k} {v:.1f}s" for k, v in
+                           (backend.build_s if a.mode == "slidedp" else {}).items())
+        print(f"[bench] {a.mode} {a.flavor} built in {time.perf_counter() - t0:.1f}s"
+              f"{f' ({phases})' if phases else ''}; {kernels.describe()} -> {attention_op}",
+              flush=True)
     orders = a.update_order.split(",") if a.mode == "slidedp" else [None]
     thread_counts = [int(t) for t in a.cpu_threads.split(",")] if a.mode == "slidedp" else [0]
     embeddings = a.embedding_update.split(",") if a.mode == "slidedp" else [None]
@@ -288,7 +291,10 @@ def main() -> None:
             emit("bench", row, a.out)
             written.append(row)
     if a.mode != "reference":
+        t0 = time.perf_counter()
         backend.close()
+        if rank == 0:
+            print(f"[bench] closed in {time.perf_counter() - t0:.1f}s", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     exit_if_invalid(written, a.out)
