@@ -218,8 +218,10 @@ class GpuUpdate:
                 scale = GradScale(None if scale == 1.0 else torch.full(
                     (), 1.0 / scale, dtype=torch.float32, device=self.streams.device))
             self.streams.wait(scale.ready, self.stream)
-            if self.streams.is_cuda:
-                grad.record_stream(self.stream)
+            if self.streams.is_cuda:  # made on other streams, read on this one
+                for t in (grad, scale.divisor, scale.found_inf):
+                    if t is not None:
+                        t.record_stream(self.stream)
             for a, b, param, exp_avg, exp_avg_sq in pieces:
                 # A copy (the gradient is BF16): the kernel divides it by the divisor in place.
                 g = grad[a - self.lo:b - self.lo].float()
