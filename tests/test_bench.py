@@ -197,10 +197,11 @@ def test_report_refuses_rows_that_did_not_train_or_do_not_say(tmp_path, row, why
     assert "line 1" not in message
 
 
-def test_headline_is_the_median_of_launches_and_refuses_rows_that_did_not_train(tmp_path):
+def test_headline_is_the_median_of_launches_and_refuses_rows_that_did_not_train(tmp_path, capsys,
+                                                                              monkeypatch):
     """Three launches of one FSDP2 point and one of another (rows as the bench writes them:
     tests above launch it): the headline table gives each point its launch count, median and
-    min-max; best_point names the fastest point's flags; a row of a step that did not train
+    min-max, a second file's launch 1 counting as another launch; best_point names the fastest point's flags; a row of a step that did not train
     refuses the file."""
     def row(batch: int, launch: int, tokens_per_s: float) -> dict:
         return {"mode": "fsdp2", "label": "sweep", "flavor": "qwen3-debug", "route": "-",
@@ -215,6 +216,12 @@ def test_headline_is_the_median_of_launches_and_refuses_rows_that_did_not_train(
     lines = {line.split(" | ")[5]: line for line in headline.table(rows).splitlines()[2:]}
     assert "| 3 | 1,300 | 1,100-1,500 |" in lines["2"] and "| 1 | 900 | 900-900 |" in lines["1"]
     assert headline.best_point(str(out), mode="fsdp2", label="sweep") == "--ac none --batches 2"
+    second = tmp_path / "call2_runs.jsonl"  # another call of the start: its own launch 1
+    second.write_text(json.dumps(row(1, 1, 700.0)) + "\n")
+    monkeypatch.setattr(sys, "argv", ["headline", str(out), str(second)])
+    headline.main()
+    printed = capsys.readouterr().out
+    assert "| 2 | 800 | 700-900 |" in printed and "| 3 | 1,300 | 1,100-1,500 |" in printed
     rows[-1]["loss"] = [float("nan")]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(SystemExit, match="1 of 4 rows refused"):

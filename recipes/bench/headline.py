@@ -1,7 +1,8 @@
 """Headline figures from bench rows (docs/PERFORMANCE.md's rules): a point measured in several
 launches (each row's `launch`: a suite workload's `launches`) is quoted as the median of its
 launches' tokens/s with their min-max; rows are read through `read_rows`, so one row of a step
-that did not train refuses the file.
+that did not train refuses the file. Launches are counted per file, as a suite numbers them per
+invocation: two calls of one machine start, each with its own launch 1, are two launches.
 
   python -m recipes.bench.headline RUNS.jsonl [RUNS.jsonl ...]   # the markdown table
 """
@@ -30,7 +31,8 @@ def summary(rows: list[dict]) -> dict:
     """One point's launches: their count, and the median, min and max of tokens/s and MFU."""
     tokens = [r["tokens_per_s"] for r in rows]
     mfu = [r["mfu"] for r in rows if r.get("mfu") is not None]
-    return {"launches": len({r.get("launch", 1) for r in rows}), "rows": len(rows),
+    return {"launches": len({(r.get("source"), r.get("launch", 1)) for r in rows}),
+            "rows": len(rows),
             "median": statistics.median(tokens), "min": min(tokens), "max": max(tokens),
             "mfu": statistics.median(mfu) if mfu else None}
 
@@ -66,7 +68,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rows", nargs="+", help="bench JSONL files")
     a = p.parse_args()
-    print(table([row for path in a.rows for row in read_rows(path)]))
+    print(table([row | {"source": path} for path in a.rows for row in read_rows(path)]))
 
 
 if __name__ == "__main__":
