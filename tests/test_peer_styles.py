@@ -161,21 +161,16 @@ def test_megatrain_updates_after_the_whole_backward_and_before_the_step_returns(
 
 
 def test_bench_compares_the_styles(tmp_path):
-    """recipes/bench/throughput.py --runtime, through the head-to-head experiment on 2 CPU ranks:
-    each style runs its own routes, its rows name it and its host bytes, and the experiment
-    divides SlideDP's throughput by each style's."""
+    """recipes/bench/throughput.py --runtime, through the head-to-head experiment on 2 CPU ranks
+    (its end-to-end check: tests/test_reproduce.py): each style runs its own routes, its rows
+    name it and its host bytes, and the experiment divides SlideDP's throughput by each style's."""
     import csv
     import json
-    import subprocess
-    import sys
 
-    from tests.conftest import REPO, subprocess_env
+    from tests.test_reproduce import check_end_to_end
 
-    systems = "slidedp-recompute,slideformer-recompute,megatrain-recompute"
-    subprocess.run([sys.executable, "-m", "recipes.reproduce.head_to_head", "--tiny", "--nproc",
-                    "2", "--batches", "1", "--systems", systems, "--out-dir", str(tmp_path)],
-                   cwd=REPO, env=subprocess_env(), check=True, capture_output=True, timeout=600)
-    rows = {r["runtime"]: r for r in map(json.loads, open(tmp_path / "runs.jsonl"))}
+    recorded = check_end_to_end("head_to_head", tmp_path)
+    rows = {r["runtime"]: r for r in map(json.loads, open(recorded))}
     assert {k: rows[k]["route"] for k in rows} == {
         "slidedp": "sharded/gpu", "slideformer": "replicated/cpu", "megatrain": "replicated/locked"}
     # 14 B/param, + 2R of staging for SlideFormer, 2 + 8 + 4 for MegaTrain (to within padding).

@@ -9,6 +9,7 @@ import importlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,10 @@ from tests.conftest import REPO, subprocess_env
 # script -> (extra flags, points its CSV must hold)
 SCRIPTS = {
     "batch_sweep": (["--systems", "slidedp-recompute,reference-full"], 4),
-    "head_to_head": (["--systems", "slidedp-recompute,reference-full"], 3),  # 2 batches + geomean
+    # SlideDP against both peer styles on 2 ranks at one batch: 2 peers x (1 batch + geomean).
+    # tests/test_peer_styles.py runs it (check_end_to_end) and checks the styles' rows too.
+    "head_to_head": (["--nproc", "2", "--batches", "1", "--systems",
+                      "slidedp-recompute,slideformer-recompute,megatrain-recompute"], 4),
     "routes": (["--routes", "sharded/gpu,replicated/cpu"], 2),
     "scaling": ([], 4),  # strong and weak on 1 and 2 ranks
     "chunk_sweep": ([], 2),
@@ -30,8 +34,13 @@ SCRIPTS = {
 }
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", [n for n in SCRIPTS if n != "head_to_head"])
 def test_script_end_to_end(name, tmp_path):
+    check_end_to_end(name, tmp_path)
+
+
+def check_end_to_end(name: str, tmp_path) -> Path:
+    """`name` run as SCRIPTS says, its outputs checked; the bench rows it recorded."""
     flags, points = SCRIPTS[name]
     proc = subprocess.run([sys.executable, "-m", f"recipes.reproduce.{name}", "--tiny",
                            "--out-dir", str(tmp_path), *flags], cwd=REPO, env=subprocess_env(),
@@ -50,11 +59,13 @@ def test_script_end_to_end(name, tmp_path):
     png = (tmp_path / f"{name}.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
     if name != "cpu_adam_scaling":  # it times the CPU itself: no bench rows to read back
-        _same_from_recorded_rows(name, flags, tmp_path)
+        return _same_from_recorded_rows(name, flags, tmp_path)
+    return tmp_path / "runs.jsonl"
 
 
-def _same_from_recorded_rows(name: str, flags: list[str], run_dir) -> None:
-    """--rows makes the same table from the rows the run recorded, launching nothing."""
+def _same_from_recorded_rows(name: str, flags: list[str], run_dir) -> Path:
+    """--rows makes the same table from the rows the run recorded, launching nothing; the rows'
+    file."""
     recorded, again = run_dir / "recorded.jsonl", run_dir / "again"
     (run_dir / "runs.jsonl").rename(recorded)
     proc = subprocess.run([sys.executable, "-m", f"recipes.reproduce.{name}", "--tiny",
@@ -64,6 +75,7 @@ def _same_from_recorded_rows(name: str, flags: list[str], run_dir) -> None:
     assert " x1: " not in proc.stdout and " x2: " not in proc.stdout  # no launch line
     assert (again / f"{name}.csv").read_text() == (run_dir / f"{name}.csv").read_text()
     assert "Rows recorded before" in (again / f"{name}.md").read_text()
+    return recorded
 
 
 @pytest.mark.parametrize("name", [n for n in SCRIPTS if n != "cpu_adam_scaling"])
