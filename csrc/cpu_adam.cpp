@@ -1,11 +1,16 @@
 // Fused CPU Adam/AdamW step over flat ranges of the host-resident FP32 master state.
 //
-// One pass over memory per element: read p, m, v (FP32) and the gradient (BF16 or FP32, times a
-// scale), write p, m, v and optionally a BF16 copy of p. The BF16 copy may overwrite a BF16
-// gradient in place: each lane's gradient is loaded before its output is stored, and no pointer
-// is declared restrict. The params may instead be BF16 (a BF16 master, MegaTrain-style): each is
-// widened to FP32 exactly, updated in FP32 and rounded back in place, in the same pass (a
-// separate widening copy would cost the update a second pass and an allocation per call).
+// One pass over memory per element: read p, m, v (FP32 unless noted below) and the gradient (BF16
+// or FP32, times a scale), write p, m, v and optionally a BF16 copy of p. The BF16 copy may
+// overwrite a BF16 gradient in place: each lane's gradient is loaded before its output is stored,
+// and no pointer is declared restrict. The params may instead be BF16 (a BF16 master,
+// MegaTrain-style): each is widened to FP32 exactly, updated in FP32 and rounded back in place, in
+// the same pass (a separate widening copy would cost the update a second pass and an allocation
+// per call). The two moments may be BF16 too (both or neither), handled the same way: widened
+// exactly, updated by the same FP32 arithmetic and stored rounded to nearest even (NaNs stay NaN),
+// the rounding of the BF16 params and output; a step then equals the FP32 step on FP32 copies of
+// the moments with the moments rounded back to BF16. BF16 moments take the host traffic per
+// parameter from 14 bytes to 10 (FP32 params, BF16 gradient overwritten by the BF16 output).
 // The arithmetic follows torch's fused CPU kernel operation by operation (same float roundings of
 // the double-precision coefficients, same lerp, same evaluation order, and explicit FMAs exactly
 // where torch's x86 build contracts to one),
@@ -90,8 +95,8 @@ inline void store(void* dst, V x) {
   std::memcpy(dst, &x, sizeof(V));
 }
 
-// FP32 lanes from FP32 or BF16 memory (a gradient or the params). BF16 -> FP32 is exact: the
-// BF16 bits are the high half of the FP32 bits.
+// FP32 lanes from FP32 or BF16 memory (a gradient, the params or the moments). BF16 -> FP32 is
+// exact: the BF16 bits are the high half of the FP32 bits.
 template <class Ops>
 inline typename Ops::V load_f32(const uint16_t* x) {
   using U = typename Ops::U;
@@ -123,6 +128,17 @@ struct ScalarOps {
   static V fma(V a, V x, V y) { return __builtin_fmaf(a, x, y); }
   static void store_bf16(uint16_t* dst, V x) { store_bf16_rne<ScalarOps>(dst, x); }
 };
+
+// FP32 lanes to FP32 or BF16 memory (the params or the moments), BF16 rounded by Ops::store_bf16.
+template <class Ops>
+inline void store_f32(float* dst, typename Ops::V x) {
+  store(dst, x);
+}
+
+template <class Ops>
+inline void store_f32(uint16_t* dst, typename Ops::V x) {
+  Ops::store_bf16(dst, x);
+}
 
 #if defined(__x86_64__)
 #define SLIDEDP_AVX2 __attribute__((target("avx2,fma")))
@@ -167,8 +183,8 @@ struct Avx512Bf16Ops : Avx512Ops {
 // ---------------------------------------------------------------------------------------------
 // The update, on Ops::kWidth elements.
 
-template <class Ops, class ParamT, class GradT, bool kL2, bool kBf16Out>
-inline void adam_lanes(const Coeffs& c, ParamT* p, const GradT* g, float* m, float* v, uint16_t* out) {
+template <class Ops, class ParamT, class GradT, class MomentT, bool kL2, bool kBf16Out>
+inline void adam_lanes(const Coeffs& c, ParamT* p, const GradT* g, MomentT* m, MomentT* v, uint16_t* out) {
   using V = typename Ops::V;
   const auto splat = [](float x) { return x - V{}; };  // x - 0 is x, signed zeros included
   V grad = load_f32<Ops>(g) * c.grad_scale;
@@ -178,47 +194,47 @@ inline void adam_lanes(const Coeffs& c, ParamT* p, const GradT* g, float* m, flo
   } else {
     param = param * c.decay;
   }
-  V exp_avg = load<V>(m);
+  V exp_avg = load_f32<Ops>(m);
   const V diff = grad - exp_avg;
   exp_avg = c.lerp_small ? Ops::fma(splat(c.lerp_weight), diff, exp_avg) : Ops::fma(splat(c.lerp_weight_m1), diff, grad);
-  const V exp_avg_sq = Ops::fma(c.beta2_c * grad, grad, load<V>(v) * c.beta2);
+  const V exp_avg_sq = Ops::fma(c.beta2_c * grad, grad, load_f32<Ops>(v) * c.beta2);
   const V denom = Ops::sqrt(exp_avg_sq) / c.bc2_sqrt + c.eps;
   param = param + c.neg_step_size * exp_avg / denom;
-  if constexpr (std::is_same_v<ParamT, uint16_t>) {
-    Ops::store_bf16(p, param);
-  } else {
-    store(p, param);
-  }
-  store(m, exp_avg);
-  store(v, exp_avg_sq);
+  store_f32<Ops>(p, param);
+  store_f32<Ops>(m, exp_avg);
+  store_f32<Ops>(v, exp_avg_sq);
   if constexpr (kBf16Out) {
     Ops::store_bf16(out, param);
   }
 }
 
-template <class Ops, class ParamT, class GradT, bool kL2, bool kBf16Out>
-inline void adam_range(const Coeffs& coeffs, ParamT* p, const GradT* g, float* m, float* v, uint16_t* out, int64_t n) {
+template <class Ops, class ParamT, class GradT, class MomentT, bool kL2, bool kBf16Out>
+inline void adam_range(const Coeffs& coeffs, ParamT* p, const GradT* g, MomentT* m, MomentT* v, uint16_t* out,
+                       int64_t n) {
   const Coeffs c = coeffs;  // a local copy cannot alias the stores, so it stays in registers
   int64_t i = 0;
   for (; i + Ops::kWidth <= n; i += Ops::kWidth) {
-    adam_lanes<Ops, ParamT, GradT, kL2, kBf16Out>(c, p + i, g + i, m + i, v + i, kBf16Out ? out + i : nullptr);
+    adam_lanes<Ops, ParamT, GradT, MomentT, kL2, kBf16Out>(c, p + i, g + i, m + i, v + i,
+                                                           kBf16Out ? out + i : nullptr);
   }
   for (; i < n; ++i) {
-    adam_lanes<ScalarOps, ParamT, GradT, kL2, kBf16Out>(c, p + i, g + i, m + i, v + i, kBf16Out ? out + i : nullptr);
+    adam_lanes<ScalarOps, ParamT, GradT, MomentT, kL2, kBf16Out>(c, p + i, g + i, m + i, v + i,
+                                                                 kBf16Out ? out + i : nullptr);
   }
 }
 
-using RangeFn = void (*)(const Coeffs&, void*, const void*, float*, float*, uint16_t*, int64_t);
+using RangeFn = void (*)(const Coeffs&, void*, const void*, void*, void*, uint16_t*, int64_t);
 
 // One entry point per ISA; `flatten` inlines the generic code above into the target-specific
 // function, so it is compiled for that ISA (a generic callee cannot inline target intrinsics).
 #define SLIDEDP_KERNEL(NAME, OPS, ...)                                                                 \
   struct NAME {                                                                                        \
-    template <class ParamT, class GradT, bool kL2, bool kBf16Out>                                      \
+    template <class ParamT, class GradT, class MomentT, bool kL2, bool kBf16Out>                       \
     __VA_ARGS__ __attribute__((flatten)) static void run(                                              \
-        const Coeffs& c, void* p, const void* g, float* m, float* v, uint16_t* out, int64_t n) {       \
-      adam_range<OPS, ParamT, GradT, kL2, kBf16Out>(c, static_cast<ParamT*>(p),                        \
-                                                    static_cast<const GradT*>(g), m, v, out, n);       \
+        const Coeffs& c, void* p, const void* g, void* m, void* v, uint16_t* out, int64_t n) {         \
+      adam_range<OPS, ParamT, GradT, MomentT, kL2, kBf16Out>(                                          \
+          c, static_cast<ParamT*>(p), static_cast<const GradT*>(g), static_cast<MomentT*>(m),          \
+          static_cast<MomentT*>(v), out, n);                                                           \
     }                                                                                                  \
   };
 
@@ -229,21 +245,31 @@ SLIDEDP_KERNEL(Avx512Kernel, Avx512Ops, SLIDEDP_AVX512)
 SLIDEDP_KERNEL(Avx512Bf16Kernel, Avx512Bf16Ops, SLIDEDP_AVX512BF16)
 #endif
 
-template <class Kernel, class ParamT, class GradT>
+template <class Kernel, class ParamT, class GradT, class MomentT>
 RangeFn pick_flags(bool l2, bool bf16_out) {
   if (l2) {
-    return bf16_out ? &Kernel::template run<ParamT, GradT, true, true> : &Kernel::template run<ParamT, GradT, true, false>;
+    return bf16_out ? &Kernel::template run<ParamT, GradT, MomentT, true, true>
+                    : &Kernel::template run<ParamT, GradT, MomentT, true, false>;
   }
-  return bf16_out ? &Kernel::template run<ParamT, GradT, false, true> : &Kernel::template run<ParamT, GradT, false, false>;
+  return bf16_out ? &Kernel::template run<ParamT, GradT, MomentT, false, true>
+                  : &Kernel::template run<ParamT, GradT, MomentT, false, false>;
+}
+
+template <class Kernel, class ParamT, class GradT>
+RangeFn pick_moments(bool moments_bf16, bool l2, bool bf16_out) {
+  return moments_bf16 ? pick_flags<Kernel, ParamT, GradT, uint16_t>(l2, bf16_out)
+                      : pick_flags<Kernel, ParamT, GradT, float>(l2, bf16_out);
 }
 
 // BF16 params are their own BF16 output: the caller passes no other (slidedp_cpu_adam_update).
 template <class Kernel>
-RangeFn pick(bool param_bf16, bool grad_bf16, bool l2, bool bf16_out) {
+RangeFn pick(bool param_bf16, bool grad_bf16, bool moments_bf16, bool l2, bool bf16_out) {
   if (param_bf16) {
-    return grad_bf16 ? pick_flags<Kernel, uint16_t, uint16_t>(l2, false) : pick_flags<Kernel, uint16_t, float>(l2, false);
+    return grad_bf16 ? pick_moments<Kernel, uint16_t, uint16_t>(moments_bf16, l2, false)
+                     : pick_moments<Kernel, uint16_t, float>(moments_bf16, l2, false);
   }
-  return grad_bf16 ? pick_flags<Kernel, float, uint16_t>(l2, bf16_out) : pick_flags<Kernel, float, float>(l2, bf16_out);
+  return grad_bf16 ? pick_moments<Kernel, float, uint16_t>(moments_bf16, l2, bf16_out)
+                   : pick_moments<Kernel, float, float>(moments_bf16, l2, bf16_out);
 }
 
 bool isa_supported(int isa) {
@@ -263,14 +289,14 @@ bool isa_supported(int isa) {
 #endif
 }
 
-RangeFn pick_kernel(int isa, bool param_bf16, bool grad_bf16, bool l2, bool bf16_out) {
+RangeFn pick_kernel(int isa, bool param_bf16, bool grad_bf16, bool moments_bf16, bool l2, bool bf16_out) {
   switch (isa) {
 #if defined(__x86_64__)
-    case kAvx512Bf16: return pick<Avx512Bf16Kernel>(param_bf16, grad_bf16, l2, bf16_out);
-    case kAvx512: return pick<Avx512Kernel>(param_bf16, grad_bf16, l2, bf16_out);
-    case kAvx2: return pick<Avx2Kernel>(param_bf16, grad_bf16, l2, bf16_out);
+    case kAvx512Bf16: return pick<Avx512Bf16Kernel>(param_bf16, grad_bf16, moments_bf16, l2, bf16_out);
+    case kAvx512: return pick<Avx512Kernel>(param_bf16, grad_bf16, moments_bf16, l2, bf16_out);
+    case kAvx2: return pick<Avx2Kernel>(param_bf16, grad_bf16, moments_bf16, l2, bf16_out);
 #endif
-    default: return pick<ScalarKernel>(param_bf16, grad_bf16, l2, bf16_out);
+    default: return pick<ScalarKernel>(param_bf16, grad_bf16, moments_bf16, l2, bf16_out);
   }
 }
 
@@ -358,12 +384,13 @@ extern "C" {
 
 int slidedp_cpu_adam_isa_supported(int isa) { return isa_supported(isa); }
 
-// Returns 0, -1 when the ISA is not supported by this CPU, or -2 for BF16 params with a separate
-// BF16 output (they are their own).
+// exp_avg and exp_avg_sq are both FP32 or both BF16 (moments_are_bf16). Returns 0, -1 when the ISA
+// is not supported by this CPU, or -2 for BF16 params with a separate BF16 output (they are their
+// own).
 int slidedp_cpu_adam_update(int isa, void* param, int param_is_bf16, const void* grad, int grad_is_bf16,
-                            float* exp_avg, float* exp_avg_sq, uint16_t* bf16_out, int64_t n, int64_t step,
-                            double lr, double beta1, double beta2, double eps, double weight_decay, int adamw,
-                            double grad_scale, int num_threads) {
+                            void* exp_avg, void* exp_avg_sq, int moments_are_bf16, uint16_t* bf16_out,
+                            int64_t n, int64_t step, double lr, double beta1, double beta2, double eps,
+                            double weight_decay, int adamw, double grad_scale, int num_threads) {
   if (!isa_supported(isa)) return -1;
   if (param_is_bf16 && bf16_out != nullptr) return -2;
   const bool l2 = !adamw && weight_decay != 0.0;
@@ -381,19 +408,23 @@ int slidedp_cpu_adam_update(int isa, void* param, int param_is_bf16, const void*
   c.eps = static_cast<float>(eps);
   c.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))));
 
-  const RangeFn fn = pick_kernel(isa, param_is_bf16 != 0, grad_is_bf16 != 0, l2, bf16_out != nullptr);
+  const RangeFn fn =
+      pick_kernel(isa, param_is_bf16 != 0, grad_is_bf16 != 0, moments_are_bf16 != 0, l2, bf16_out != nullptr);
   const int64_t param_size = param_is_bf16 ? 2 : 4;
   const int64_t grad_size = grad_is_bf16 ? 2 : 4;
+  const int64_t moment_size = moments_are_bf16 ? 2 : 4;
   auto* param_bytes = static_cast<char*>(param);
   const auto* grad_bytes = static_cast<const char*>(grad);
+  auto* exp_avg_bytes = static_cast<char*>(exp_avg);
+  auto* exp_avg_sq_bytes = static_cast<char*>(exp_avg_sq);
   const int64_t num_blocks = (n + kBlock - 1) / kBlock;
   std::atomic<int64_t> next{0};
   auto job = [&](int) {
     for (int64_t b = next.fetch_add(1); b < num_blocks; b = next.fetch_add(1)) {
       const int64_t lo = b * kBlock;
       const int64_t len = std::min(kBlock, n - lo);
-      fn(c, param_bytes + lo * param_size, grad_bytes + lo * grad_size, exp_avg + lo, exp_avg_sq + lo,
-         bf16_out ? bf16_out + lo : nullptr, len);
+      fn(c, param_bytes + lo * param_size, grad_bytes + lo * grad_size, exp_avg_bytes + lo * moment_size,
+         exp_avg_sq_bytes + lo * moment_size, bf16_out ? bf16_out + lo : nullptr, len);
     }
   };
   g_pool->run(workers(num_threads, num_blocks), job);

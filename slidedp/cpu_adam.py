@@ -2,10 +2,11 @@
 
 The kernel (`csrc/cpu_adam.cpp`) reads the BF16 or FP32 gradient, updates the FP32 params and
 moments, and optionally writes a BF16 copy of the params, all in one pass over memory; BF16 params
-(a BF16 master) are updated in FP32 and rounded back in place, in the same pass. It is
-compiled on first use into `${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` and loaded with ctypes, which
-releases the GIL for the call, so the runtime can update one slice while other threads move the
-next. Without a compiler the same math runs in torch ops (`torch._fused_adamw_` and separate casts).
+(a BF16 master) and BF16 moments (10 host bytes per parameter instead of 14) are updated in FP32
+and rounded back in place, in the same pass. It is compiled on first use into
+`${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` and loaded with ctypes, which releases the GIL for the
+call, so the runtime can update one slice while other threads move the next. Without a compiler
+the same math runs in torch ops (`torch._fused_adamw_` and separate casts).
 The same library holds `grad_accumulate`: the host-side gradient sum / accumulation with the sum of
 squares for clipping, also in one pass; and `stream_triad`, STREAM's triad on the same threads, the
 host bandwidth the update is measured against (slidedp/plan/triad.py).
@@ -97,7 +98,8 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int,  # isa
         ctypes.c_void_p, ctypes.c_int,  # param, param_is_bf16
         ctypes.c_void_p, ctypes.c_int,  # grad, grad_is_bf16
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # exp_avg, exp_avg_sq, bf16_out
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # exp_avg, exp_avg_sq, moments_are_bf16
+        ctypes.c_void_p,  # bf16_out
         ctypes.c_int64, ctypes.c_int64,  # n, step
         ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,  # lr .. wd
         ctypes.c_int, ctypes.c_double, ctypes.c_int,  # adamw, grad_scale, num_threads
@@ -165,7 +167,9 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
 
     param/exp_avg/exp_avg_sq: 1-D contiguous float32 CPU tensors (views into bigger buffers are fine);
     param may be bf16 instead (a BF16 master): read exactly into FP32, updated there and rounded
-    back in place (round-to-nearest-even), so it takes no bf16_out.
+    back in place (round-to-nearest-even), so it takes no bf16_out. exp_avg and exp_avg_sq may both
+    be bf16 instead (not just one): the step is then the FP32 step on exact FP32 copies of them, each
+    rounded back to bf16 in place (round-to-nearest-even).
     grad: bf16 or float32, same length, used as grad * grad_scale. adamw=False is Adam with L2 weight
     decay. step counts from 1 (after the increment). bf16_out, when given, receives the updated
     params rounded to bf16 (round-to-nearest-even); it may be the very memory of a bf16 grad (each
@@ -176,8 +180,11 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     n = param.numel()
     _check("param", param, (torch.float32, torch.bfloat16), n)
     _check("grad", grad, (torch.bfloat16, torch.float32), n)
-    _check("exp_avg", exp_avg, (torch.float32,), n)
-    _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    _check("exp_avg", exp_avg, (torch.float32, torch.bfloat16), n)
+    _check("exp_avg_sq", exp_avg_sq, (torch.float32, torch.bfloat16), n)
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise ValueError(f"adam_update: exp_avg and exp_avg_sq must share one dtype (both float32 or both "
+                         f"bfloat16); got exp_avg {exp_avg.dtype}, exp_avg_sq {exp_avg_sq.dtype}")
     if bf16_out is not None:
         _check("bf16_out", bf16_out, (torch.bfloat16,), n)
         if param.dtype == torch.bfloat16:
@@ -197,7 +204,8 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     rc = _library().slidedp_cpu_adam_update(
         _ISA_CODES[isa], param.data_ptr(), int(param.dtype == torch.bfloat16), grad.data_ptr(),
         int(grad.dtype == torch.bfloat16),
-        exp_avg.data_ptr(), exp_avg_sq.data_ptr(), None if bf16_out is None else bf16_out.data_ptr(),
+        exp_avg.data_ptr(), exp_avg_sq.data_ptr(), int(exp_avg.dtype == torch.bfloat16),
+        None if bf16_out is None else bf16_out.data_ptr(),
         n, step, lr, beta1, beta2, eps, weight_decay, int(adamw), grad_scale, threads)
     if rc != 0:
         raise RuntimeError(f"adam_update: the kernel refused ISA {isa!r} (code {rc})")
@@ -241,13 +249,20 @@ def stream_triad(a: Tensor, b: Tensor, c: Tensor, *, scalar: float, num_threads:
 def _torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
                   beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool, grad_scale: float,
                   bf16_out: Tensor | None) -> None:
-    """The fallback: torch's fused kernel plus the casts around it (torch's intra-op threads)."""
+    """The fallback: torch's fused kernel plus the casts around it (torch's intra-op threads). BF16
+    params or moments are widened to FP32 copies and copied back (`copy_` into bf16 rounds to nearest
+    even, as the kernel does)."""
     if grad.dtype != torch.float32 or grad_scale != 1.0:
         grad = grad.float() * grad_scale
     if param.dtype == torch.bfloat16:
         param, bf16_out = param.float(), param
+    bf16_moments = (exp_avg, exp_avg_sq) if exp_avg.dtype == torch.bfloat16 else ()
+    if bf16_moments:
+        exp_avg, exp_avg_sq = exp_avg.float(), exp_avg_sq.float()
     fused = torch._fused_adamw_ if adamw else torch._fused_adam_
     fused([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr, beta1=beta1,
           beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    for dst, src in zip(bf16_moments, (exp_avg, exp_avg_sq)):
+        dst.copy_(src)
     if bf16_out is not None:
         bf16_out.copy_(param)
