@@ -14,6 +14,8 @@ RuntimeName = Literal["slidedp", "slideformer", "megatrain"]
 """The runtime's own policies, or a peer system's re-implemented on it (slidedp/peer_styles.py)."""
 EmbeddingUpdate = Literal["host", "gpu", "resident"]
 """Where the embedding's AdamW runs (slidedp/gpu_update.py)."""
+MomentsDtype = Literal["float32", "bfloat16"]
+"""The dtype of the Adam moments in host memory (slidedp/host_state.py)."""
 
 
 @dataclass
@@ -74,6 +76,11 @@ class SlideDPConfig:
     as the delivery source (half the H2D bytes; without it the FP32 master is copied and cast on
     the GPU). 2 bytes/param of host memory, none more than without it when updates wait for the
     step's norm: it then also holds the returned gradients."""
+    moments_dtype: MomentsDtype = "float32"
+    """The Adam moments' dtype in host memory: "bfloat16" takes 10 B/param instead of 14 and 8
+    fewer bytes per parameter through DRAM in each update; the fused CPU Adam widens them exactly,
+    updates in FP32 and rounds them back to nearest even. Not with optimizer state resident on
+    the GPU (its moments would stay FP32 between saves, so a resume would not be exact)."""
     autopolicy: bool = False
     """Choose the routes, chunk, slots and per-block activation policies at start by measuring
     this machine (AutoPolicy: a few steps with lr = 0, then the optimizer state is reset); the

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.adamw import adamw
 
-from slidedp.config import EmbeddingUpdate, SlideDPConfig
+from slidedp.config import EmbeddingUpdate, MomentsDtype, SlideDPConfig
 from slidedp.host_state import SharedHostState
 from slidedp.layout import Unit
 from slidedp.streams import Streams
@@ -59,6 +59,14 @@ def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: in
     if not 0 <= cfg.gpu_state_blocks <= n_layers:
         raise ValueError(f"slidedp.gpu_state_blocks: {cfg.gpu_state_blocks} is not within the "
                          f"model's 0..{n_layers} blocks")
+    if cfg.moments_dtype not in get_args(MomentsDtype):
+        raise ValueError(f"slidedp.moments_dtype must be one of {get_args(MomentsDtype)}, "
+                         f"got {cfg.moments_dtype!r}")
+    if cfg.moments_dtype != "float32" and any(gpu_updated_units(cfg, n_layers).values()):
+        raise ValueError(f'slidedp.moments_dtype = "{cfg.moments_dtype}" needs every unit\'s '
+                         'optimizer state at home: slidedp.gpu_state_blocks = 0 and '
+                         'slidedp.embedding_update = "host" or "gpu" (resident state keeps FP32 '
+                         'moments between saves)')
     if cfg.embedding_update == "host" and cfg.gpu_state_blocks == 0:
         return
     # The update needs the summed gradient shard on the GPU: the gpu route, one micro-batch
@@ -145,7 +153,8 @@ class GpuUpdate:
 
     def prefetch(self) -> None:
         """Copy the shard's master and moments to the GPU on the update stream (compute thread,
-        during backward). The copies are allocated on the compute stream, so the memory goes back
+        during backward), as FP32 (BF16 moments are widened there, and rounded on the way home,
+        as the CPU Adam does). The copies are allocated on the compute stream, so the memory goes back
         to the common pool once the update has used them; the stream orders them after the
         previous step's copies home. Once per step (resident: once until `invalidate`): later
         calls do nothing."""
@@ -170,7 +179,8 @@ class GpuUpdate:
                     copy.copy_(self.state.unit_view(region, self.unit.index, a, b),
                                non_blocking=True)
             pieces.append((a, b, *copies))
-        self.traffic.gpu_update_h2d += (self.hi - self.lo) * 12
+        self.traffic.gpu_update_h2d += (self.hi - self.lo) * sum(
+            self.state.regions[region].element_size() for region in STATE_REGIONS)
         if self.resident:  # the delivery source, cast on the GPU as the shadow was on the host
             weights = torch.empty(self.hi - self.lo, dtype=torch.bfloat16,
                                   device=self.streams.device)
@@ -258,7 +268,8 @@ class GpuUpdate:
                     if region != skip:
                         self.state.unit_view(region, self.unit.index, a, b).copy_(
                             copy, non_blocking=True)
-                        self.traffic.gpu_update_d2h += (b - a) * copy.element_size()
+                        self.traffic.gpu_update_d2h += (b - a) * self.state.regions[
+                            region].element_size()  # as stored: BF16 moments are cast first
             self._home = self.streams.record(self.stream)
 
     def wait_home(self) -> None:

@@ -9,7 +9,9 @@ as pinned memory (cudaHostRegister), so each byte exists once and copies are asy
 
 Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_ALIGN):
   master fp32, exp_avg fp32, exp_avg_sq fp32     12 bytes/param, always (a BF16 master, 10 in
-                                                  all, for slidedp.runtime = "megatrain")
+                                                  all, for slidedp.runtime = "megatrain"; BF16
+                                                  moments, 8, for slidedp.moments_dtype =
+                                                  "bfloat16")
   shadow bf16                                     2 bytes/param, when bf16_shadow (delivery source;
                                                   with one micro-batch it also holds each unit's
                                                   returned gradient until the unit's update)
@@ -79,6 +81,8 @@ class HostStatePlan:
     """The master weights are BF16 (slidedp.runtime = "megatrain"): 2 bytes/param, not 4."""
     grad_lock: bool = False
     """The ranks add their gradients into `grad_accum` under one host lock (reduction="locked")."""
+    bf16_moments: bool = False
+    """The Adam moments are BF16 (slidedp.moments_dtype = "bfloat16"): 4 bytes/param, not 8."""
 
     @classmethod
     def for_run(cls, cfg: SlideDPConfig, *, grad_accum_steps: int, max_norm: float,
@@ -98,7 +102,8 @@ class HostStatePlan:
                    grad_bf16=(deferred and not accumulate and not cfg.bf16_shadow
                               and cfg.reduction == "gpu"),
                    grad_accum=accumulate or locked, cpu_staging=cfg.reduction == "cpu",
-                   bf16_master=style.bf16_master, grad_lock=locked)
+                   bf16_master=style.bf16_master, grad_lock=locked,
+                   bf16_moments=cfg.moments_dtype == "bfloat16")
 
     def hold(self, *, n_micro: int, reduction: str, deferred: bool) -> "Hold":
         """Where a step of `n_micro` micro-batches on the `reduction` route keeps its gradients
@@ -134,15 +139,17 @@ class HostStatePlan:
                     (self.grad_accum and not self.grad_lock, "fp32 grad buffer"),
                     (self.grad_lock, "one locked fp32 grad sum"),
                     (self.cpu_staging, "per-rank grad staging"))
-        master = "bf16 master+fp32 moments" if self.bf16_master else "fp32 master+moments"
+        master = (f"{'bf16' if self.bf16_master else 'fp32'} master+"
+                  f"{'bf16' if self.bf16_moments else 'fp32'} moments")
         return " + ".join([master, *(name for present, name in optional if present)])
 
 
 def _region_sizes(layout: StateLayout, plan: HostStatePlan) -> list[tuple[str, torch.dtype, int]]:
     n, world = layout.total, layout.world
+    moments = torch.bfloat16 if plan.bf16_moments else torch.float32
     regions = [("master", torch.bfloat16 if plan.bf16_master else torch.float32, n),
-               ("exp_avg", torch.float32, n),
-               ("exp_avg_sq", torch.float32, n)]
+               ("exp_avg", moments, n),
+               ("exp_avg_sq", moments, n)]
     if plan.bf16_shadow:
         regions.append(("shadow", torch.bfloat16, n))
     if plan.grad_bf16:

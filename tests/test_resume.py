@@ -183,6 +183,18 @@ def test_units_updated_on_the_gpu_save_and_resume_exactly(tmp_path):
     resume_half_way(tmp_path, "--slidedp.embedding_update=gpu", "--slidedp.gpu_state_blocks=1")
 
 
+def test_bf16_moments_save_and_resume_exactly(tmp_path):
+    """BF16 moments (slidedp.moments_dtype), the embedding's among them streamed to the GPU and
+    back each step (its moments widened there and rounded home), are saved as BF16 and resume
+    bit for bit."""
+    first, _ = resume_half_way(tmp_path, "--slidedp.moments_dtype=bfloat16",
+                               "--slidedp.embedding_update=gpu")
+    saved = train_state(first / f"hf/step-{STEPS}", tmp_path)
+    moments = {t.dtype for k, t in saved.items() if "/exp_avg" in k}
+    masters = {t.dtype for k, t in saved.items() if "/master.u" in k}
+    assert moments == {torch.bfloat16} and masters == {torch.float32}
+
+
 def test_slidedp_world_size_mismatch_is_one_line(slidedp_run):
     out, _ = slidedp_run
     proc = run_cli("--job.config_file", "train_configs/debug_cpu.toml",

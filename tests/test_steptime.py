@@ -11,7 +11,7 @@ from models.flavors import get_flavor
 from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.plan.rates import Machine, Rates, load_rates, timing_key
 from slidedp.plan.simulate import Simulation
-from slidedp.plan.steptime import ADAM_BYTES, GPU_ADAM_BYTES, STEP_EDGE_S, StepSpec, simulate_step
+from slidedp.plan.steptime import ADAM_BYTES, BF16_MOMENTS_SAVE, GPU_ADAM_BYTES, STEP_EDGE_S, StepSpec, simulate_step
 from slidedp.plan.workload import MicroBatchWork, Workload, segment_flops
 
 FAST = 1e9  # GB/s: a link that takes no time
@@ -60,6 +60,21 @@ def test_host_bound_step_waits_for_the_serial_updates():
     assert p.demand_s["cpu update"] == pytest.approx(L * a, rel=1e-3)
     assert "cpu update" in p.why and "more sequences per step" in p.advice
     assert p.exposed_s["cpu update"] == pytest.approx(L * a - (L - 1) * bwd, rel=1e-3)
+
+
+def test_bf16_moments_shorten_the_host_bound_update_by_their_bytes():
+    """The host-bound step above with BF16 moments: each AdamW pass moves 20 B/param instead
+    of 28, so its time and bytes fall by 8/28."""
+    L, elems = 4, 1_000_000
+    a = 0.5
+    r = rates(adam_gparams={4: elems / a / 1e9})
+    fp32 = simulate_step(spec(blocks=L, block_elems=elems), r)
+    bf16 = simulate_step(spec(blocks=L, block_elems=elems, bf16_moments=True), r)
+    share = (ADAM_BYTES["bf16"] - BF16_MOMENTS_SAVE) / ADAM_BYTES["bf16"]
+    assert share == pytest.approx(20 / 28)
+    assert bf16.demand_s["cpu update"] == pytest.approx(share * fp32.demand_s["cpu update"],
+                                                        rel=1e-3)
+    assert bf16.step_s < fp32.step_s - (1 - share) * L * a * 0.9
 
 
 def test_slot_release_stall_in_backward():

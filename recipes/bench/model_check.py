@@ -59,11 +59,11 @@ ARTIFACTS = {
 """Recorded rows a bench artifact spoiled: (file, label, local batch, accum) -> why."""
 KEY = ("mode", "runtime", "flavor", "kernels", "route", "ac", "activation_blocks", "keep_blocks",
        "slots", "chunk_mib", "world", "seq", "local_batch", "accum", "max_norm", "nonfinite",
-       "embedding_update", "gpu_state_blocks")
+       "embedding_update", "gpu_state_blocks", "moments_dtype")
 """What identifies a point in the predicted and the measured rows alike."""
 DEFAULTS = {"runtime": "slidedp", "activation_blocks": "", "keep_blocks": 0, "slots": 3,
             "chunk_mib": 32.0, "accum": 1, "max_norm": 0.0, "nonfinite": "off",
-            "embedding_update": "host", "gpu_state_blocks": 0}
+            "embedding_update": "host", "gpu_state_blocks": 0, "moments_dtype": "float32"}
 """For rows from before the bench recorded a key: its defaults, and max_norm 0 as every SlideDP
 launch of the GPU runs ran then (the non-finite guard did not exist; nor the embedding's update
 on the GPU)."""
@@ -104,6 +104,7 @@ def config_of(row: dict) -> JobConfig:
         s.window_slots, s.chunk_mib = _get(row, "slots"), _get(row, "chunk_mib")
         s.embedding_update = _get(row, "embedding_update")
         s.gpu_state_blocks = _get(row, "gpu_state_blocks")
+        s.moments_dtype = _get(row, "moments_dtype")
     return cfg
 
 
@@ -143,6 +144,8 @@ def _updates(row: dict) -> str:
         _get(row, "embedding_update"), "")
     if _get(row, "gpu_state_blocks"):
         where += f", {_get(row, 'gpu_state_blocks')} blocks resident on the GPU"
+    if _get(row, "moments_dtype") == "bfloat16":
+        where += ", BF16 moments"
     return ("deferred" if deferred else "in backward") + where
 
 

@@ -52,7 +52,7 @@ from recipes.preflight import check_mode_options, check_seq_len
 from recipes.train import SyntheticBatches, process_group_backend
 from slidedp.activations import format_blocks
 from slidedp.plan.live import MEASURED_STEPS, select_live
-from slidedp.config import EmbeddingUpdate, RuntimeName
+from slidedp.config import EmbeddingUpdate, MomentsDtype, RuntimeName
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.update_order import UPDATE_ORDERS
 
@@ -118,6 +118,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.slidedp.update_order = a.update_order.split(",")[0]
     cfg.slidedp.embedding_update = a.embedding_update.split(",")[0]
     cfg.slidedp.gpu_state_blocks = a.gpu_state_blocks
+    cfg.slidedp.moments_dtype = a.moments_dtype
     cfg.slidedp.check_host_memory = not a.no_memory_check
     cfg.slidedp.autopolicy_candidates = a.autopolicy_candidates
     return cfg
@@ -180,6 +181,8 @@ def main() -> None:
     p.add_argument("--gpu-state-blocks", type=int, default=0,
                    help="slidedp: slidedp.gpu_state_blocks (the first N blocks' optimizer state "
                         "on the GPU)")
+    p.add_argument("--moments-dtype", default="float32", choices=get_args(MomentsDtype),
+                   help="slidedp: slidedp.moments_dtype (the host's Adam moments)")
     p.add_argument("--cpu-threads", default="0",
                    help="slidedp: list of slidedp.cpu_threads values (0: the rank's share of the "
                         "cores), each point run with each in the same build; a count other than "
@@ -379,6 +382,7 @@ def _runtime_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
     """The runtime style and the host state the build runs with (the shadow as the host state
     has it: a peer runtime style sets its own)."""
     return {"runtime": a.runtime, "bf16_shadow": backend.state.plan.bf16_shadow,
+            "moments_dtype": "bfloat16" if backend.state.plan.bf16_moments else "float32",
             "cpu_threads": backend.optimizer.threads,
             "host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
 
@@ -390,7 +394,7 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
     step_time = measured["step_time_s"]
     none = dict.fromkeys(("activation_blocks", "keep_blocks", "slots", "chunk_mib",
                           "update_order", "embedding_update", "gpu_state_blocks", "runtime",
-                          "bf16_shadow", "cpu_threads"))
+                          "bf16_shadow", "moments_dtype", "cpu_threads"))
     return {"mode": a.mode, "label": a.label if label is None else label, "flavor": a.flavor,
             "route": route, "kernels": kernels, "attention_op": attention_op, "ac": ac,
             **{**none, **slidedp},
@@ -458,6 +462,8 @@ def system_name(row: dict) -> str:
         name += f" {row['embedding_update']}-embedding"
     if row.get("gpu_state_blocks"):
         name += f" gpu-state-{row['gpu_state_blocks']}"
+    if row.get("moments_dtype") == "bfloat16":  # not the default
+        name += " bf16-moments"
     return name + (f" {row['label']}" if row.get("label") else "")
 
 

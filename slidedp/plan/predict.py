@@ -83,7 +83,8 @@ def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, 
         offload_bytes=tuple(offloaded[p] for p in policies),
         tokens=batch * tr.seq_len * tr.grad_accum_steps * world, schedule=schedule,
         kernels=kernels, embedding_on_gpu=s.embedding_update == "gpu",
-        resident_units=frozenset(u for u, resident in gpu_updated_units(s, args.n_layers).items() if resident))
+        resident_units=frozenset(u for u, resident in gpu_updated_units(s, args.n_layers).items() if resident),
+        bf16_moments=s.moments_dtype == "bfloat16")
 
 
 def state_plan(config) -> HostStatePlan:

@@ -62,7 +62,10 @@ STEP_EDGE_S = 1e-3
 not measured."""
 ADAM_BYTES = {"bf16": 28, "fp32": 30}
 """Host bytes per parameter of one AdamW pass, by gradient dtype (read p, m, v, g; write p, m,
-v and the BF16 shadow)."""
+v and the BF16 shadow), with FP32 moments."""
+BF16_MOMENTS_SAVE = 8
+"""Bytes per parameter that BF16 moments take off that pass (m and v read and written as 2, not
+4): the pass is bound by host memory traffic, so its time falls in proportion."""
 GPU_ADAM_BYTES = 40
 """Device bytes per parameter of an AdamW on the GPU (GpuUpdate.update): the gradient cast to
 FP32 (6), the fused AdamW (read p, g, m, v, write p, m, v: 28), the BF16 copy of the weights
@@ -115,6 +118,8 @@ class StepSpec:
     resident_units: frozenset[int] = frozenset()
     """Units whose optimizer state and a BF16 copy stay on the GPU (0 the embedding, 1 + i block
     i: slidedp.gpu_state_blocks, embedding_update = "resident")."""
+    bf16_moments: bool = False
+    """The host's Adam moments are BF16 (slidedp.moments_dtype = "bfloat16")."""
 
     @property
     def n_blocks(self) -> int:
@@ -238,8 +243,9 @@ class _Builder:
         (the first assigns unless `assign` is False)."""
         rates, threads = self.rates, self.threads_of(r)
         if kind == "adam":
-            seconds = elems / rates.adam(threads) * ADAM_BYTES[grad] / ADAM_BYTES["bf16"]
-            nbytes = elems * ADAM_BYTES[grad]
+            per_param = ADAM_BYTES[grad] - (BF16_MOMENTS_SAVE if self.spec.bf16_moments else 0)
+            seconds = elems / rates.adam(threads) * per_param / ADAM_BYTES["bf16"]
+            nbytes = elems * per_param
         else:  # acc = src (6 B/elem), acc += src (10 B/elem), src BF16
             seconds = sources * elems / rates.grad_sum(threads)
             nbytes = elems * (10 * sources - (4 if assign else 0))
