@@ -68,6 +68,8 @@ OPTIONS = [
                             "update_order": "next_use"}),
     Option("resident-state-no-clipping", {"embedding_update": "resident", "gpu_state_blocks": 6},
            max_norm=0.0),
+    # BF16 moments on the host, the embedding's streamed to the GPU and rounded home each step.
+    Option("bf16-moments", {"moments_dtype": "bfloat16", "embedding_update": "gpu"}),
     Option("next-use", {"update_order": "next_use"}),
     Option("slideformer", {"runtime": "slideformer"}),
     Option("megatrain", {"runtime": "megatrain"}, bf16_master=True),
