@@ -8,7 +8,10 @@
 (c) a STREAM-like copy of an FP32 buffer with torch, as the host's attainable bandwidth.
 (d) the same kernel on a BF16 master (the MegaTrain-style runtime): FP32 gradient sum in, BF16 params
     widened, updated and rounded back in place, FP32 m/v updated, one pass.
-GB/s for (a) and (b) count the same useful traffic, 28 bytes/param; (c) counts read + write; (d) 24.
+(e) the same kernel with BF16 moments (slidedp.moments_dtype = "bfloat16"): as (a), m/v read and
+    written as BF16.
+GB/s for (a) and (b) count the same useful traffic, 28 bytes/param; (c) counts read + write; (d) 24;
+(e) 20.
 """
 
 import argparse
@@ -26,6 +29,7 @@ from slidedp import cpu_adam
 ADAM_BYTES_PER_PARAM = 28  # read p, m, v (12) + bf16 g (2); write p, m, v (12) + bf16 p (2)
 COPY_BYTES_PER_ELEM = 8  # fp32 read + write
 BF16_MASTER_BYTES_PER_PARAM = 24  # read + write bf16 p (4), m, v (16); read fp32 g (4)
+BF16_MOMENTS_BYTES_PER_PARAM = 20  # read + write p (8), bf16 m, v (8); bf16 g in (2), bf16 p out (2)
 
 
 def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
@@ -56,11 +60,14 @@ class Workload:
         self.copy_dst = torch.empty(n)
         self.bf16_master = self.param.bfloat16()
         self.fp32_grad = self.grad.float()
+        self.bf16_moments = (torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))
 
     def _kernel_step(self, param: torch.Tensor, grad: torch.Tensor, threads: int,
-                     bf16_out: torch.Tensor | None = None) -> None:
+                     bf16_out: torch.Tensor | None = None,
+                     moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.steps += 1
-        cpu_adam.adam_update(param, grad, self.exp_avg, self.exp_avg_sq, step=self.steps, lr=1e-4, beta1=0.9,
+        exp_avg, exp_avg_sq = moments or (self.exp_avg, self.exp_avg_sq)
+        cpu_adam.adam_update(param, grad, exp_avg, exp_avg_sq, step=self.steps, lr=1e-4, beta1=0.9,
                              beta2=0.95, eps=1e-8, weight_decay=0.1, bf16_out=bf16_out, num_threads=threads)
 
     def ours(self, threads: int) -> None:
@@ -77,6 +84,10 @@ class Workload:
     def bf16_master_update(self, threads: int) -> None:
         self._kernel_step(self.bf16_master, self.fp32_grad, threads)
 
+    def bf16_moments_update(self, threads: int) -> None:
+        self._kernel_step(self.param, self.grad, threads, bf16_out=self.bf16_out,
+                          moments=self.bf16_moments)
+
 
 def run(n: int, thread_counts: list[int], repeats: int) -> list[dict[str, float]]:
     work = Workload(n)
@@ -87,6 +98,7 @@ def run(n: int, thread_counts: list[int], repeats: int) -> list[dict[str, float]
         fused = _median_seconds(work.torch_fused, repeats)
         copy = _median_seconds(work.copy, repeats)
         bf16_master = _median_seconds(lambda: work.bf16_master_update(threads), repeats)
+        bf16_moments = _median_seconds(lambda: work.bf16_moments_update(threads), repeats)
         rows.append({
             "threads": threads,
             "ours_gparams": n / ours / 1e9,
@@ -96,6 +108,8 @@ def run(n: int, thread_counts: list[int], repeats: int) -> list[dict[str, float]
             "copy_gbs": n * COPY_BYTES_PER_ELEM / copy / 1e9,
             "bf16_master_gparams": n / bf16_master / 1e9,
             "bf16_master_gbs": n * BF16_MASTER_BYTES_PER_PARAM / bf16_master / 1e9,
+            "bf16_moments_gparams": n / bf16_moments / 1e9,
+            "bf16_moments_gbs": n * BF16_MOMENTS_BYTES_PER_PARAM / bf16_moments / 1e9,
         })
         rows[-1]["ours_over_torch"] = fused / ours
         rows[-1]["ours_over_copy"] = rows[-1]["ours_gbs"] / rows[-1]["copy_gbs"]
@@ -105,13 +119,15 @@ def run(n: int, thread_counts: list[int], repeats: int) -> list[dict[str, float]
 def markdown(rows: list[dict[str, float]]) -> str:
     lines = [
         "| threads | ours Gparam/s | ours GB/s | torch fused+casts Gparam/s | torch GB/s | copy GB/s "
-        "| ours / torch | ours / copy | BF16 master Gparam/s | BF16 master GB/s |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ours / torch | ours / copy | BF16 master Gparam/s | BF16 master GB/s "
+        "| BF16 moments Gparam/s | BF16 moments GB/s |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(f"| {r['threads']} | {r['ours_gparams']:.2f} | {r['ours_gbs']:.1f} | {r['torch_gparams']:.2f} "
                      f"| {r['torch_gbs']:.1f} | {r['copy_gbs']:.1f} | {r['ours_over_torch']:.2f}x "
-                     f"| {r['ours_over_copy']:.0%} | {r['bf16_master_gparams']:.2f} | {r['bf16_master_gbs']:.1f} |")
+                     f"| {r['ours_over_copy']:.0%} | {r['bf16_master_gparams']:.2f} | {r['bf16_master_gbs']:.1f} "
+                     f"| {r['bf16_moments_gparams']:.2f} | {r['bf16_moments_gbs']:.1f} |")
     return "\n".join(lines)
 
 
