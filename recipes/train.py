@@ -237,7 +237,7 @@ def process_group_backend(config: JobConfig, device: torch.device) -> str:
     return "cuda:nccl,cpu:gloo" if config.parallelism.fsdp_cpu_offload else "nccl"
 
 
-def _init_distributed(config: JobConfig, device: torch.device, *, world: int) -> None:
+def init_distributed(config: JobConfig, device: torch.device, *, world: int) -> None:
     """The default process group: torchrun's env:// rendezvous, or a one-rank group in-process
     (FSDP2, DeepSpeed and SlideDP need one even alone)."""
     backend = process_group_backend(config, device)
@@ -303,7 +303,7 @@ def train(config: JobConfig) -> int | None:
     # Before anything is allocated; with several ranks the launcher read the data already.
     checked = check_run(config, world=world, device=device, thorough=world == 1)
     if config.parallelism.mode != "single":
-        _init_distributed(config, device, world=world)
+        init_distributed(config, device, world=world)
     locks = []
     try:
         locks = _lock_run_folders(config, rank=rank,  # held until the run ends

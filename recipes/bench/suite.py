@@ -338,7 +338,8 @@ class Runner:
         if "code" in w:
             return [sys.executable, "-c", w["code"], *args]
         head = [sys.executable, "-m", module]
-        if bench or w.get("torchrun"):
+        # One bench rank needs no launcher (seconds less per launch): it makes its own group.
+        if w.get("torchrun", bench) and not (module == BENCH and nproc == 1):
             head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={nproc}", "-m", module]
         if bench:

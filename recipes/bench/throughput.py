@@ -49,7 +49,7 @@ from recipes.baselines.eager import clip_grad_norm
 from recipes.model import build_kernels
 from recipes.parallelize import build_backend
 from recipes.preflight import check_mode_options, check_seq_len
-from recipes.train import SyntheticBatches, process_group_backend
+from recipes.train import SyntheticBatches, init_distributed
 from slidedp.activations import format_blocks
 from slidedp.plan.live import MEASURED_STEPS, select_live
 from slidedp.config import EmbeddingUpdate, MomentsDtype, RuntimeName
@@ -234,7 +234,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 or a.mode in ("fsdp2", "deepspeed"):  # they need a process group even alone
-        dist.init_process_group(process_group_backend(_config(a, "sharded/gpu"), device))
+        init_distributed(_config(a, "sharded/gpu"), device, world=world)
     routes = a.routes.split(",") if a.mode == "slidedp" else ["-"]
     if a.mode == "slidedp" and RUNTIME_STYLES[a.runtime].routes:  # a peer style's own routes
         routes = ["/".join(RUNTIME_STYLES[a.runtime].routes)]

@@ -129,14 +129,6 @@ def _resolve(args: argparse.Namespace, *, gpu: dict[str, Any], tiny: dict[str, A
             setattr(args, key, value)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def gpu_count() -> int:
     import torch
 
@@ -202,10 +194,8 @@ class Runner:
         bench = ["-m", "recipes.bench.throughput", *shared, *flags, "--label", label,
                  "--no-memory-check", "--out", str(self.jsonl)]
         env = self._env(nproc)
-        if nproc == 1:  # one process, no launcher (seconds less per point): env:// by hand
+        if nproc == 1:  # one process, no launcher (seconds less per point): its own group
             cmd = [sys.executable, *bench]
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc_per_node={nproc}", *bench]
