@@ -93,10 +93,16 @@ def cut_last_save_short(out: Path) -> None:
     (staging / META_FILE).unlink()
 
 
+# The shared SlideDP run keeps BF16 moments (slidedp.moments_dtype), the embedding's streamed to
+# the GPU and back each step (widened there, rounded home); FP32 host moments resume in
+# test_units_updated_on_the_gpu_save_and_resume_exactly and the peer styles' tests.
+SLIDEDP_RUN = ("--slidedp.moments_dtype=bfloat16", "--slidedp.embedding_update=gpu")
+
+
 @pytest.fixture(scope="module")
 def slidedp_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("slidedp")
-    return out, train(out, "slidedp")
+    return out, train(out, "slidedp", *SLIDEDP_RUN)
 
 
 def test_single_resumes_latest_after_a_crash(tmp_path):
@@ -127,6 +133,7 @@ def test_single_resumes_latest_after_a_crash(tmp_path):
 
 @pytest.mark.parametrize("mode", ["fsdp2", "slidedp"])
 def test_two_ranks_resume_exactly(mode, slidedp_run, tmp_path):
+    flags = SLIDEDP_RUN if mode == "slidedp" else ()
     if mode == "slidedp":
         first, full = slidedp_run
     else:
@@ -134,23 +141,27 @@ def test_two_ranks_resume_exactly(mode, slidedp_run, tmp_path):
     second = tmp_path / "second"
     second.mkdir()
     keep_first_half_of_metrics(first, second)
-    resumed = train(second, mode, f"--checkpoint.resume_from={first}/hf/step-{HALF}")
+    resumed = train(second, mode, *flags, f"--checkpoint.resume_from={first}/hf/step-{HALF}")
     assert_resumed_exactly(full, resumed)
     # Its TensorBoard run has the name of the run it resumes, and the steps after the save.
     assert os.listdir(second / "tb") == os.listdir(first / "tb")
     assert tensorboard_losses(second) == [(r["step"], pytest.approx(r["loss"]))
                                           for r in full[HALF:]]
     final = f"hf/step-{STEPS}"
-    assert_same_state(train_state(second / final, tmp_path), train_state(first / final, tmp_path))
+    saved = train_state(first / final, tmp_path)
+    assert_same_state(train_state(second / final, tmp_path), saved)
     assert_same_state(load_file(second / final / "model.safetensors"),
                       load_file(first / final / "model.safetensors"))
+    if mode == "slidedp":  # saved as kept: BF16 moments, FP32 master
+        assert {t.dtype for k, t in saved.items() if "/exp_avg" in k} == {torch.bfloat16}
+        assert {t.dtype for k, t in saved.items() if "/master.u" in k} == {torch.float32}
 
 
 def test_background_saves_equal_blocking_ones_and_keep_the_newest(slidedp_run, tmp_path):
     """The fixture's saves were written in the background while later steps ran; this run waits
     for every save, saves at every step and keeps the newest 2."""
     first, full = slidedp_run
-    blocking = train(tmp_path, "slidedp", "--checkpoint.async_mode=disabled",
+    blocking = train(tmp_path, "slidedp", *SLIDEDP_RUN, "--checkpoint.async_mode=disabled",
                      "--checkpoint.interval=1", "--checkpoint.keep_latest_k=2")
     assert_resumed_exactly(full, blocking)
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
@@ -181,18 +192,6 @@ def test_units_updated_on_the_gpu_save_and_resume_exactly(tmp_path):
     version gate opens, the resident state is copied home only for the save), and the resumed
     run fetches the loaded state (GpuUpdate.invalidate)."""
     resume_half_way(tmp_path, "--slidedp.embedding_update=gpu", "--slidedp.gpu_state_blocks=1")
-
-
-def test_bf16_moments_save_and_resume_exactly(tmp_path):
-    """BF16 moments (slidedp.moments_dtype), the embedding's among them streamed to the GPU and
-    back each step (its moments widened there and rounded home), are saved as BF16 and resume
-    bit for bit."""
-    first, _ = resume_half_way(tmp_path, "--slidedp.moments_dtype=bfloat16",
-                               "--slidedp.embedding_update=gpu")
-    saved = train_state(first / f"hf/step-{STEPS}", tmp_path)
-    moments = {t.dtype for k, t in saved.items() if "/exp_avg" in k}
-    masters = {t.dtype for k, t in saved.items() if "/master.u" in k}
-    assert moments == {torch.bfloat16} and masters == {torch.float32}
 
 
 def test_slidedp_world_size_mismatch_is_one_line(slidedp_run):
