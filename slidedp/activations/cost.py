@@ -22,8 +22,6 @@ from typing import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils import flop_counter
-from torch.utils.flop_counter import FlopCounterMode
 
 from models.activation_memory import SavedStorages
 from models.args import QwenArgs
@@ -105,11 +103,17 @@ def _widen(q: torch.Size, kv: torch.Size) -> tuple[int, ...]:
     return (kv[0], q[1], *kv[2:])
 
 
+# torch.utils.flop_counter is imported where it counts: it imports triton (~0.15 s), which a
+# process that only checks its config or runs another mode never needs.
 def _gqa_sdpa_forward(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils import flop_counter
+
     return flop_counter.sdpa_flop_count(q, _widen(q, k), _widen(q, v))
 
 
 def _gqa_sdpa_backward(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils import flop_counter
+
     return flop_counter.sdpa_backward_flop_count(grad_out, q, _widen(q, k), _widen(q, v))
 
 
@@ -138,6 +142,8 @@ class _Probe:
 
 def _probe(policy: ActivationPolicy, block: TransformerBlock, args: QwenArgs,
            shape: tuple[int, int], device: torch.device) -> _Probe:
+    from torch.utils.flop_counter import FlopCounterMode
+
     weights = dict(block.named_parameters())
     batch, seq = shape
     rope = rope_tables(args, seq, device)
