@@ -53,9 +53,8 @@ class SlideDPConfig:
     cpu_threads: Annotated[int, at_least(0)] = 0
     """CPU Adam threads per rank; 0 = this rank's share of the host's cores."""
     update_order: UpdateOrderName = "arrival"
-    """Which runnable update runs first: "arrival" (as the gradients came home; the faster on the
-    H200, docs/results/2026-12-01-h200/README.md) or "next_use" (the unit the next step needs
-    first)."""
+    """Which runnable update runs first: "arrival" (as the gradients came home, each update as
+    early as possible) or "next_use" (the unit the next step needs first)."""
     embedding_update: EmbeddingUpdate = "host"
     """Where the embedding's AdamW runs: "host" (the CPU Adam, like every unit) or "gpu" (its
     FP32 master and moments come to the GPU during the last blocks' backward, are updated there

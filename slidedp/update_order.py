@@ -15,8 +15,8 @@ deliveries until its own unit's update is done, so the order changes timing, nev
   updates, runs embedding first, and the next step's forward follows the updates unit by unit
   through the version gates instead of waiting for the whole queue.
 - `arrival` (the default): in the order the gradients came home, each update as early as
-  possible: when backward ends the embedding's update, needed first, is the last in line. It is
-  the default because it measured the faster (docs/results/2026-12-01-h200/README.md).
+  possible: when backward ends the embedding's update, needed first, is the last in line.
+  docs/PERFORMANCE.md has how the two compare.
 """
 
 import threading

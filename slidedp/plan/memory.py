@@ -57,7 +57,7 @@ and kv_heads (the per-row FP32 log-sum-exp and inverse RMS); the tables 2 x head
 
 These bytes are what the engine's start-up measurement (slidedp/activations/cost.py) gives
 (tests/test_plan_memory.py checks segment masks and op-level sets of both debug families on the
-CPU against it; docs/results/2026-12-01-h200/README.md has the GPU check). Approximate: the few fixed
+CPU against it; docs/PERFORMANCE.md has the GPU check). Approximate: the few fixed
 bytes of an SDPA kernel (RNG seeds) are not counted; with training.dtype = "fp32" torch's FP32
 copy of an FP32 tensor is the tensor itself, counted twice; mode single's autocast keeps the
 residual stream in FP32 (counted in the compute dtype); what a block's backward allocates

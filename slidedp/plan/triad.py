@@ -5,9 +5,8 @@ a = b + s * c over FP64 arrays each at least 4x the last-level caches (STREAM's 
 STREAM's own loop in our C++ library on the CPU Adam's thread pool (slidedp.cpu_adam.stream_triad;
 torch.add where that library cannot be built). Counted as STREAM counts it: 3 arrays x 8 bytes per
 element (two reads, one write; the write-allocate read is not counted); the best of `repeats`
-runs. A torch op is not this figure: on the 16-core H200 host a copy or a triad through torch ran
-below what our CPU Adam moved (the Adam's rows of docs/PERFORMANCE.md's table; the torch figures
-in docs/results/2026-12-02-h200/README.md)."""
+runs. A torch op is not this figure: torch's copy and add run on its own intra-op threads, not
+the update's, and can stay below what the CPU Adam itself moves (docs/PERFORMANCE.md)."""
 
 import glob
 import time
