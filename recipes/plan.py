@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from models.kernels import resolve_kernels
 from recipes.config import ConfigError, parse_config, resolve_model
+from recipes.preflight import device_memory
 from slidedp.plan.predict import compute_dtype, policies_of
 from slidedp.plan.probe import probe
 from slidedp.plan.rates import Rates, load_rates
@@ -107,7 +108,8 @@ def main(argv: list[str]) -> int:
         world = ours.ngpu or job.config.plan.ngpu or rates.machine.devices
         if world < 1:
             raise PlanError(f"--ngpu must be >= 1, got {world}")
-        print("\n".join(plan_text(job, rates, world=world)), flush=True)
+        print("\n".join(plan_text(job, rates, world=world, resident_memory=device_memory)),
+              flush=True)
         if ours.search:
             print("\n".join(search_offline(job, rates, world=world, out=ours.out)), flush=True)
     except PlanError as e:

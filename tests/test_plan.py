@@ -15,6 +15,7 @@ from slidedp.activations import KEEP, block_policies, parse_policy
 from slidedp.plan.policy_file import policy_settings, write_policy_file
 from slidedp.plan.predict import plan_run
 from slidedp.plan.rates import SHIPPED, load_rates, model_key
+from recipes.preflight import device_memory
 from slidedp.plan.report import Job, plan_text
 from tests.conftest import REPO, subprocess_env
 
@@ -46,7 +47,7 @@ def test_every_config_plans_as_its_header_says(name, tmp_path):
     its header is what the model predicts now (the debug config runs on any CPU: no header)."""
     rates, world, stated = planned(name) if name != "debug_cpu.toml" else ("h200", 1, None)
     job = job_of(f"--job.config_file=train_configs/{name}", f"--job.dump_folder={tmp_path}")
-    text = "\n".join(plan_text(job, load_rates(rates), world=world))
+    text = "\n".join(plan_text(job, load_rates(rates), world=world, resident_memory=device_memory))
     if job.config.parallelism.mode == "slidedp":
         assert "bottleneck: " in text and "what would move it: " in text
         assert "DOES NOT FIT" not in text, text

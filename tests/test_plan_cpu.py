@@ -21,7 +21,9 @@ from recipes.plan import load_job, main
 from slidedp.plan.predict import policies_of
 from slidedp.plan.probe import ProbeSizes, probe
 from slidedp.plan.rates import SHIPPED, load_rates
-from slidedp.plan.report import plan_text
+from recipes.preflight import device_memory
+from slidedp.plan.memory import estimate_device_memory
+from slidedp.plan.report import _gib, plan_text
 from tests.conftest import REPO, subprocess_env
 
 DEBUG = "train_configs/debug_cpu.toml"
@@ -58,11 +60,18 @@ def cpu_rates():
 def test_a_cpu_plan_speaks_of_the_device_and_host_memory(mode, tmp_path):
     job = load_job([f"--job.config_file={DEBUG}", f"--parallelism.mode={mode}",
                     f"--job.dump_folder={tmp_path}"])
-    text = "\n".join(plan_text(job, cpu_rates(), world=1))
+    text = "\n".join(plan_text(job, cpu_rates(), world=1, resident_memory=device_memory))
     assert "device memory per rank (the CPU's: host memory): " in text, text
     assert "GPU" not in text and "gpu compute" not in text and "gpu-bound" not in text, text
     if mode == "single":
         assert "(forward + backward, no activation checkpointing)" in text, text
+        # The resident mode's own estimate (its FP32 model, gradients and Adam state on the
+        # device), not SlideDP's streaming window.
+        kw = dict(world=1, kernels="torch")
+        own, slidedp = device_memory(job.config, job.args, **kw), estimate_device_memory(
+            job.config, job.args, **kw)
+        assert own.total != slidedp.total
+        assert f"host memory): {_gib(own.total)} (" in text, text
     else:
         assert "liger" not in text, text  # CUDA's kernels are no advice on the CPU
         assert re.search(r"^  device compute +[\d.]+", text, re.M), text
@@ -72,7 +81,7 @@ def test_a_plan_says_when_the_rates_dtype_is_not_the_runs(tmp_path):
     """The shipped rates are BF16's; debug_cpu computes in FP32 (its slidedp mode in BF16)."""
     note = "compute: these rates were timed in bf16, this run computes in fp32"
     flags = [f"--job.config_file={DEBUG}", f"--job.dump_folder={tmp_path}"]
-    single = plan_text(load_job(flags), load_rates("h200"), world=1)
+    single = plan_text(load_job(flags), load_rates("h200"), world=1, resident_memory=device_memory)
     assert any(line.startswith(note) for line in single), single
     slidedp = plan_text(load_job([*flags, "--parallelism.mode=slidedp"]), load_rates("h200"),
                         world=1)

@@ -4,13 +4,14 @@ Where the device is the CPU it is called the device, its memory the host's. The 
 that prints it is recipes/plan.py (`python -m recipes.plan CONFIG`)."""
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import get_args
 
 from models.args import QwenArgs
 from slidedp.activations import KEEP, RECOMPUTE, format_blocks
 from slidedp.plan.ilp import solve
-from slidedp.plan.memory import REFUSE_ABOVE, estimate_device_memory
+from slidedp.plan.memory import REFUSE_ABOVE, MemoryEstimate
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.policy_file import policy_settings, write_policy_file
 from slidedp.plan.predict import RunPlan, compute_dtype, plan_run, policies_of
@@ -129,12 +130,23 @@ def describe_run(job: Job, *, world: int, kernels: str) -> str:
             f"MiB, {shadow}, {clip}; {kernels} kernels")
 
 
-def plan_text(job: Job, rates: Rates, *, world: int) -> list[str]:
-    """The printed plan of `job` on `world` ranks of the machine of `rates`."""
+DeviceMemory = Callable[..., MemoryEstimate]
+"""`(config, args, *, world, kernels) -> MemoryEstimate`: a mode's device estimate."""
+
+
+def plan_text(job: Job, rates: Rates, *, world: int,
+              resident_memory: DeviceMemory | None = None) -> list[str]:
+    """The printed plan of `job` on `world` ranks of the machine of `rates`. A mode that keeps
+    the model on the device (single, fsdp2) needs `resident_memory`, its device estimate: the
+    recipes model those modes (recipes/preflight.py's device_memory), not this package."""
     kernels = kernels_for(job.config, rates)
     config = job.config
     if config.parallelism.mode != "slidedp":
-        return _resident_mode_text(job, rates, world=world, kernels=kernels)
+        if resident_memory is None:
+            raise ValueError(f"plan_text: mode {config.parallelism.mode!r} needs its "
+                             "resident_memory estimate")
+        est = resident_memory(config, job.args, world=world, kernels=kernels)
+        return _resident_mode_text(job, rates, est, world=world, kernels=kernels)
     # A peer runtime style (slidedp.runtime) is simulated with its own schedule where the model
     # has one; its routes and host regions come from the style either way.
     runtime = config.slidedp.runtime
@@ -150,11 +162,11 @@ def plan_text(job: Job, rates: Rates, *, world: int) -> list[str]:
             *format_step(plan, rates)]
 
 
-def _resident_mode_text(job: Job, rates: Rates, *, world: int, kernels: str) -> list[str]:
-    """single / fsdp2: the device estimate and the compute alone, a lower bound of the step
-    (the step-time model simulates SlideDP's schedules)."""
+def _resident_mode_text(job: Job, rates: Rates, est: MemoryEstimate, *, world: int,
+                        kernels: str) -> list[str]:
+    """single / fsdp2: the device estimate `est` and the compute alone, a lower bound of the
+    step (the step-time model simulates SlideDP's schedules)."""
     config, tr = job.config, job.config.training
-    est = estimate_device_memory(config, job.args, world=world, kernels=kernels)
     # "selective" (torchtitan's op-level policy) replays less than full: keep is the bound.
     policy = RECOMPUTE if config.activation_checkpoint.mode == "full" else KEEP
     work = Workload(rates, job.args, flavor=job.flavor, kernels=kernels, seq=tr.seq_len)
