@@ -154,9 +154,9 @@ class GpuUpdate:
     def prefetch(self) -> None:
         """Copy the shard's master and moments to the GPU on the update stream (compute thread,
         during backward), as FP32 (BF16 moments are widened there, and rounded on the way home,
-        as the CPU Adam does). The copies are allocated on the compute stream, so the memory goes back
-        to the common pool once the update has used them; the stream orders them after the
-        previous step's copies home. Once per step (resident: once until `invalidate`): later
+        as the CPU Adam does). The copies are allocated on the compute stream, so the memory
+        goes back to the common pool once the update has used them; the stream orders them
+        after the previous step's copies home. Once per step (resident: once until `invalidate`): later
         calls do nothing."""
         if self._pieces is not None:
             return
