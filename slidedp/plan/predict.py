@@ -72,19 +72,20 @@ def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, 
     batch = tr.local_batch_size
     offloaded = {p: work.activation_bytes(p, batch)[1] for p in set(policies)}
     layout = StateLayout(args, world=world)
+    host = state_plan(config)
     return StepSpec(
         world=world, slots=s.window_slots, delivery=s.delivery, reduction=s.reduction,
         chunk_elems=chunk_elems(s.chunk_mib), bf16_shadow=s.bf16_shadow,
         micro_batches=tr.grad_accum_steps, deferred=updates_deferred(max_norm=tr.max_norm, nonfinite=tr.nonfinite,
                                   reduction=s.reduction),
-        grad_accum=state_plan(config).grad_accum, threads=threads_per_rank(config, rates, world),
+        grad_accum=host.grad_accum, threads=threads_per_rank(config, rates, world),
         cores=rates.machine.cores, unit_elems=tuple(u.padded for u in layout.units),
         work=work.micro_batch(policies, batch), offload=tuple(p.offload for p in policies),
         offload_bytes=tuple(offloaded[p] for p in policies),
         tokens=batch * tr.seq_len * tr.grad_accum_steps * world, schedule=schedule,
         kernels=kernels, embedding_on_gpu=s.embedding_update == "gpu",
         resident_units=frozenset(u for u, resident in gpu_updated_units(s, args.n_layers).items() if resident),
-        bf16_moments=s.moments_dtype == "bfloat16")
+        bf16_moments=host.bf16_moments)
 
 
 def state_plan(config) -> HostStatePlan:
