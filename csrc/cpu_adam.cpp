@@ -11,6 +11,11 @@
 // the rounding of the BF16 params and output; a step then equals the FP32 step on FP32 copies of
 // the moments with the moments rounded back to BF16. BF16 moments take a pass's memory traffic
 // from 28 bytes per parameter to 20 (FP32 params, BF16 gradient overwritten by the BF16 output).
+// Or the moments are blockwise 8-bit (torchao's AdamW8bit format, bitsandbytes' dynamic-tree
+// code): per block of kQBlock elements, one FP32 absmax scale and one byte code per element, the
+// code indexing a sorted 256-entry table (signed for exp_avg, unsigned for exp_avg_sq). A block is
+// dequantized into FP32 on the stack, updated by the same FP32 arithmetic (the params take the
+// unrounded moments, as torchao does), and requantized in the same pass: 16 bytes per parameter.
 // The arithmetic follows torch's fused CPU kernel operation by operation (same float roundings of
 // the double-precision coefficients, same lerp, same evaluation order, and explicit FMAs exactly
 // where torch's x86 build contracts to one),
@@ -67,6 +72,8 @@ struct Coeffs {
 // broadcast scalars); each ISA supplies only its width, square root, fused multiply-add and,
 // where the hardware has one, a BF16 conversion instruction.
 
+using u8x8 = uint8_t __attribute__((vector_size(8)));
+using u8x16 = uint8_t __attribute__((vector_size(16)));
 using u16x8 = uint16_t __attribute__((vector_size(16)));
 using u16x16 = uint16_t __attribute__((vector_size(32)));
 using u32x8 = uint32_t __attribute__((vector_size(32)));
@@ -123,8 +130,11 @@ struct ScalarOps {
   using V = float;
   using U = uint32_t;
   using H = uint16_t;
+  using B = uint8_t;
   static constexpr int64_t kWidth = 1;
+  static constexpr bool kPermute = false;
   static V sqrt(V x) { return __builtin_sqrtf(x); }
+  static V gather(const float* table, U index) { return table[index]; }
   static V fma(V a, V x, V y) { return __builtin_fmaf(a, x, y); }
   static void store_bf16(uint16_t* dst, V x) { store_bf16_rne<ScalarOps>(dst, x); }
 };
@@ -149,8 +159,13 @@ struct Avx2Ops {
   using V = f32x8;
   using U = u32x8;
   using H = u16x8;
+  using B = u8x8;
   static constexpr int64_t kWidth = 8;
+  static constexpr bool kPermute = false;
   SLIDEDP_AVX2 static V sqrt(V x) { return _mm256_sqrt_ps(x); }
+  SLIDEDP_AVX2 static V gather(const float* table, U index) {
+    return _mm256_i32gather_ps(table, __builtin_bit_cast(__m256i, index), 4);
+  }
   SLIDEDP_AVX2 static V fma(V a, V x, V y) { return _mm256_fmadd_ps(a, x, y); }
   SLIDEDP_AVX2 static void store_bf16(uint16_t* dst, V x) { store_bf16_rne<Avx2Ops>(dst, x); }
 };
@@ -159,10 +174,53 @@ struct Avx512Ops {
   using V = f32x16;
   using U = u32x16;
   using H = u16x16;
+  using B = u8x16;
   static constexpr int64_t kWidth = 16;
   SLIDEDP_AVX512 static V sqrt(V x) { return _mm512_sqrt_ps(x); }
   SLIDEDP_AVX512 static V fma(V a, V x, V y) { return _mm512_fmadd_ps(a, x, y); }
   SLIDEDP_AVX512 static void store_bf16(uint16_t* dst, V x) { store_bf16_rne<Avx512Ops>(dst, x); }
+  // Table lookups in registers: a gather costs more than the whole update of its lanes on some
+  // CPUs, and every 8-bit element needs two lookups and two searches.
+  static constexpr bool kPermute = true;
+  // table[index] for a 256-entry table: eight 32-entry permutes, then a select on bits 5, 6, 7.
+  SLIDEDP_AVX512 static V lookup(const float* table, U index) {
+    const __m512i k = __builtin_bit_cast(__m512i, index);
+    __m512 r[8];
+    for (int j = 0; j < 8; ++j) {
+      r[j] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * j), k, _mm512_loadu_ps(table + 32 * j + 16));
+    }
+    const __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
+    const __mmask16 b6 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(64));
+    const __mmask16 b7 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(128));
+    const __m512 lo = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[0], r[1]), _mm512_mask_blend_ps(b5, r[2], r[3]));
+    const __m512 hi = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, r[4], r[5]), _mm512_mask_blend_ps(b5, r[6], r[7]));
+    return __builtin_bit_cast(V, _mm512_mask_blend_ps(b7, lo, hi));
+  }
+  // The count of thresholds <= x (QCode): eight levels of a binary search, each level's
+  // candidates in at most eight registers (QCode::levels), so level L costs 2^L / 16 permutes.
+  SLIDEDP_AVX512 static U search(const float* levels, V x) {
+    const __m512 xv = __builtin_bit_cast(__m512, x);
+    __m512i k = _mm512_setzero_si512();
+    k = descend(k, xv, _mm512_set1_ps(levels[0]));
+    for (int at = 16; at <= 64; at += 16) k = descend(k, xv, _mm512_permutexvar_ps(k, _mm512_loadu_ps(levels + at)));
+    k = descend(k, xv, pair(levels + 80, k));
+    const __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
+    k = descend(k, xv, _mm512_mask_blend_ps(b5, pair(levels + 112, k), pair(levels + 144, k)));
+    const __mmask16 c5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
+    const __mmask16 c6 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(64));
+    k = descend(k, xv, _mm512_mask_blend_ps(c6, _mm512_mask_blend_ps(c5, pair(levels + 176, k), pair(levels + 208, k)),
+                                            _mm512_mask_blend_ps(c5, pair(levels + 240, k), pair(levels + 272, k))));
+    return __builtin_bit_cast(U, k);
+  }
+  // One level: k = 2k + (x >= candidate), false for NaN as in the scalar compare.
+  SLIDEDP_AVX512 static __m512i descend(__m512i k, __m512 x, __m512 candidate) {
+    const __m512i twice = _mm512_add_epi32(k, k);
+    return _mm512_mask_add_epi32(twice, _mm512_cmp_ps_mask(x, candidate, _CMP_GE_OQ), twice, _mm512_set1_epi32(1));
+  }
+  // Entry k of the 32 floats at `at`.
+  SLIDEDP_AVX512 static __m512 pair(const float* at, __m512i k) {
+    return _mm512_permutex2var_ps(_mm512_loadu_ps(at), k, _mm512_loadu_ps(at + 16));
+  }
 };
 
 struct Avx512Bf16Ops : Avx512Ops {
@@ -225,6 +283,136 @@ inline void adam_range(const Coeffs& coeffs, ParamT* p, const GradT* g, MomentT*
 
 using RangeFn = void (*)(const Coeffs&, void*, const void*, void*, void*, uint16_t*, int64_t);
 
+// ---------------------------------------------------------------------------------------------
+// Blockwise 8-bit moments. The elements of one scale, as torchao's AdamW8bit blocks them; the
+// runtime's shards and chunks are multiples of it (slidedp/layout.py SHARD_ALIGN).
+constexpr int64_t kQBlock = 128;
+
+// One moment's 8-bit code (slidedp/cpu_adam.py builds the tables): its 256 sorted values, and
+// for each code c the least float that quantizes above c (the last is NaN: nothing does).
+// torchao's quantize_8bit_with_qmap picks the nearest value by a binary search for the last value
+// <= x and a step up when x - value >= gap * 0.5, in float; that test is monotone in x, so each
+// code's inputs form one interval and the code is the count of thresholds <= x: one search of
+// eight compares, no fix-up, the very codes torchao stores.
+struct QCode {
+  const float* values;
+  const float* thresholds;
+  // The thresholds in the order the search reads them: level L (2^L candidates, the k-th being
+  // thresholds[k * 2^(8-L) + 2^(7-L) - 1]) at kLevelAt[L], each level padded to a register.
+  float levels[304];
+};
+constexpr int kLevelAt[8] = {0, 16, 32, 48, 64, 80, 112, 176};
+
+void fill_levels(QCode& q) {
+  for (int level = 0; level < 8; ++level) {
+    for (int k = 0; k < (1 << level); ++k) {
+      q.levels[kLevelAt[level] + k] = q.thresholds[k * (256 >> level) + (128 >> level) - 1];
+    }
+  }
+}
+
+struct QMaps {
+  QCode exp_avg;     // signed
+  QCode exp_avg_sq;  // unsigned
+};
+
+template <class Ops>
+inline typename Ops::V code_values(const QCode& q, typename Ops::U code) {
+  if constexpr (Ops::kPermute) {
+    return Ops::lookup(q.values, code);
+  } else {
+    return Ops::gather(q.values, code);
+  }
+}
+
+template <class Ops>
+inline typename Ops::U quantize_lanes(typename Ops::V x, const QCode& q) {
+  if constexpr (Ops::kPermute) {
+    return Ops::search(q.levels, x);
+  } else {
+    using U = typename Ops::U;
+    U code = U{};
+    for (uint32_t step = 128; step >= 1; step /= 2) {
+      code = x >= Ops::gather(q.thresholds, code + (step - 1)) ? code + step : code;
+    }
+    return code;
+  }
+}
+
+// One block's scale, as torchao takes it: max |x| clipped below at 1e-12, NaN if any x is NaN
+// (torch's amax propagates NaN).
+template <class Ops>
+inline float block_scale(const float* x, int64_t n) {
+  using U = typename Ops::U;
+  using V = typename Ops::V;
+  V best = V{};
+  U nan = U{};
+  int64_t i = 0;
+  for (; i + Ops::kWidth <= n; i += Ops::kWidth) {
+    const V a = __builtin_bit_cast(V, U(__builtin_bit_cast(U, load<V>(x + i)) & 0x7FFFFFFFu));
+    best = a > best ? a : best;
+    nan = a != a ? U{} + 1u : nan;
+  }
+  float result = 0.0f;
+  bool any_nan = false;
+  for (int64_t k = 0; k < Ops::kWidth; ++k) {
+    if constexpr (Ops::kWidth == 1) {
+      result = std::max(result, best);
+      any_nan = any_nan || nan;
+    } else {
+      result = std::max(result, best[k]);
+      any_nan = any_nan || nan[k];
+    }
+  }
+  for (; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    result = std::max(result, a);
+    any_nan = any_nan || a != a;
+  }
+  return any_nan ? __builtin_nanf("") : std::max(result, 1e-12f);
+}
+
+template <class Ops>
+inline void dequantize_block(const uint8_t* codes, float scale, const QCode& q, float* x, int64_t n) {
+  using U = typename Ops::U;
+  int64_t i = 0;
+  for (; i + Ops::kWidth <= n; i += Ops::kWidth) {
+    store(x + i, code_values<Ops>(q, convert<U>(load<typename Ops::B>(codes + i))) * scale);
+  }
+  for (; i < n; ++i) x[i] = q.values[codes[i]] * scale;
+}
+
+// torchao's quantize: codes of x / scale, scale = block_scale (a division, as torchao divides).
+template <class Ops>
+inline void quantize_block(const float* x, int64_t n, const QCode& q, uint8_t* codes, float* scale) {
+  const float s = block_scale<Ops>(x, n);
+  *scale = s;
+  int64_t i = 0;
+  for (; i + Ops::kWidth <= n; i += Ops::kWidth) {
+    store(codes + i, convert<typename Ops::B>(quantize_lanes<Ops>(load<typename Ops::V>(x + i) / s, q)));
+  }
+  for (; i < n; ++i) codes[i] = static_cast<uint8_t>(quantize_lanes<ScalarOps>(x[i] / s, q));
+}
+
+template <class Ops, class ParamT, class GradT, bool kL2, bool kBf16Out>
+inline void adam_range_q8(const Coeffs& coeffs, const QMaps& q, ParamT* p, const GradT* g, uint8_t* m_codes,
+                          float* m_scale, uint8_t* v_codes, float* v_scale, uint16_t* out, int64_t n) {
+  alignas(64) float m[kQBlock];
+  alignas(64) float v[kQBlock];
+  for (int64_t lo = 0, b = 0; lo < n; lo += kQBlock, ++b) {
+    const int64_t len = std::min(kQBlock, n - lo);
+    dequantize_block<Ops>(m_codes + lo, m_scale[b], q.exp_avg, m, len);
+    dequantize_block<Ops>(v_codes + lo, v_scale[b], q.exp_avg_sq, v, len);
+    adam_range<Ops, ParamT, GradT, float, kL2, kBf16Out>(coeffs, p + lo, g + lo, m, v,
+                                                         kBf16Out ? out + lo : nullptr, len);
+    quantize_block<Ops>(m, len, q.exp_avg, m_codes + lo, m_scale + b);
+    quantize_block<Ops>(v, len, q.exp_avg_sq, v_codes + lo, v_scale + b);
+  }
+}
+
+using Q8Fn = void (*)(const Coeffs&, const QMaps&, void*, const void*, uint8_t*, float*, uint8_t*, float*,
+                      uint16_t*, int64_t);
+
 // One entry point per ISA; `flatten` inlines the generic code above into the target-specific
 // function, so it is compiled for that ISA (a generic callee cannot inline target intrinsics).
 #define SLIDEDP_KERNEL(NAME, OPS, ...)                                                                 \
@@ -235,6 +423,14 @@ using RangeFn = void (*)(const Coeffs&, void*, const void*, void*, void*, uint16
       adam_range<OPS, ParamT, GradT, MomentT, kL2, kBf16Out>(                                          \
           c, static_cast<ParamT*>(p), static_cast<const GradT*>(g), static_cast<MomentT*>(m),          \
           static_cast<MomentT*>(v), out, n);                                                           \
+    }                                                                                                  \
+    template <class ParamT, class GradT, bool kL2, bool kBf16Out>                                      \
+    __VA_ARGS__ __attribute__((flatten)) static void run_q8(                                           \
+        const Coeffs& c, const QMaps& q, void* p, const void* g, uint8_t* mc, float* ms, uint8_t* vc,  \
+        float* vs, uint16_t* out, int64_t n) {                                                         \
+      adam_range_q8<OPS, ParamT, GradT, kL2, kBf16Out>(c, q, static_cast<ParamT*>(p),                  \
+                                                      static_cast<const GradT*>(g), mc, ms, vc, vs,    \
+                                                      out, n);                                         \
     }                                                                                                  \
   };
 
@@ -272,6 +468,26 @@ RangeFn pick(bool param_bf16, bool grad_bf16, bool moments_bf16, bool l2, bool b
                    : pick_moments<Kernel, float, float>(moments_bf16, l2, bf16_out);
 }
 
+template <class Kernel, class ParamT, class GradT>
+Q8Fn pick_q8_flags(bool l2, bool bf16_out) {
+  if (l2) {
+    return bf16_out ? &Kernel::template run_q8<ParamT, GradT, true, true>
+                    : &Kernel::template run_q8<ParamT, GradT, true, false>;
+  }
+  return bf16_out ? &Kernel::template run_q8<ParamT, GradT, false, true>
+                  : &Kernel::template run_q8<ParamT, GradT, false, false>;
+}
+
+template <class Kernel>
+Q8Fn pick_q8(bool param_bf16, bool grad_bf16, bool l2, bool bf16_out) {
+  if (param_bf16) {
+    return grad_bf16 ? pick_q8_flags<Kernel, uint16_t, uint16_t>(l2, false)
+                     : pick_q8_flags<Kernel, uint16_t, float>(l2, false);
+  }
+  return grad_bf16 ? pick_q8_flags<Kernel, float, uint16_t>(l2, bf16_out)
+                   : pick_q8_flags<Kernel, float, float>(l2, bf16_out);
+}
+
 bool isa_supported(int isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
@@ -297,6 +513,17 @@ RangeFn pick_kernel(int isa, bool param_bf16, bool grad_bf16, bool moments_bf16,
     case kAvx2: return pick<Avx2Kernel>(param_bf16, grad_bf16, moments_bf16, l2, bf16_out);
 #endif
     default: return pick<ScalarKernel>(param_bf16, grad_bf16, moments_bf16, l2, bf16_out);
+  }
+}
+
+Q8Fn pick_q8_kernel(int isa, bool param_bf16, bool grad_bf16, bool l2, bool bf16_out) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case kAvx512Bf16: return pick_q8<Avx512Bf16Kernel>(param_bf16, grad_bf16, l2, bf16_out);
+    case kAvx512: return pick_q8<Avx512Kernel>(param_bf16, grad_bf16, l2, bf16_out);
+    case kAvx2: return pick_q8<Avx2Kernel>(param_bf16, grad_bf16, l2, bf16_out);
+#endif
+    default: return pick_q8<ScalarKernel>(param_bf16, grad_bf16, l2, bf16_out);
   }
 }
 
@@ -384,15 +611,23 @@ extern "C" {
 
 int slidedp_cpu_adam_isa_supported(int isa) { return isa_supported(isa); }
 
-// exp_avg and exp_avg_sq are both FP32 or both BF16 (moments_are_bf16). Returns 0, -1 when the ISA
-// is not supported by this CPU, or -2 for BF16 params with a separate BF16 output (they are their
-// own).
+// Codes of the moments' format, shared with slidedp/cpu_adam.py.
+enum MomentFormat : int { kMomentsF32 = 0, kMomentsBf16 = 1, kMoments8bit = 2 };
+
+// exp_avg and exp_avg_sq share one format. For kMoments8bit they are byte codes, with one FP32
+// scale per kQBlock elements in exp_avg_scale / exp_avg_sq_scale (ceil(n / kQBlock) each; the range
+// starts at a block's start) and the code tables qmap_signed / qmap_unsigned (256 sorted floats),
+// and per table the thresholds of its codes (QCode; 256 floats each); these six are unused
+// otherwise. Returns 0, -1 when the ISA is not supported by this CPU, -2 for
+// BF16 params with a separate BF16 output (they are their own), or -3 for an unknown format.
 int slidedp_cpu_adam_update(int isa, void* param, int param_is_bf16, const void* grad, int grad_is_bf16,
-                            void* exp_avg, void* exp_avg_sq, int moments_are_bf16, uint16_t* bf16_out,
-                            int64_t n, int64_t step, double lr, double beta1, double beta2, double eps,
-                            double weight_decay, int adamw, double grad_scale, int num_threads) {
+                            void* exp_avg, void* exp_avg_sq, int moment_format, float* exp_avg_scale,
+                            float* exp_avg_sq_scale, const float* qmap_signed, const float* qmap_unsigned,
+                            const float* thresholds_signed, const float* thresholds_unsigned, uint16_t* bf16_out, int64_t n, int64_t step, double lr, double beta1, double beta2,
+                            double eps, double weight_decay, int adamw, double grad_scale, int num_threads) {
   if (!isa_supported(isa)) return -1;
   if (param_is_bf16 && bf16_out != nullptr) return -2;
+  if (moment_format < kMomentsF32 || moment_format > kMoments8bit) return -3;
   const bool l2 = !adamw && weight_decay != 0.0;
   const double lerp_weight = 1.0 - beta1;
   Coeffs c;
@@ -408,23 +643,40 @@ int slidedp_cpu_adam_update(int isa, void* param, int param_is_bf16, const void*
   c.eps = static_cast<float>(eps);
   c.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))));
 
-  const RangeFn fn =
-      pick_kernel(isa, param_is_bf16 != 0, grad_is_bf16 != 0, moments_are_bf16 != 0, l2, bf16_out != nullptr);
+  const bool q8 = moment_format == kMoments8bit;
+  const RangeFn fn = q8 ? nullptr
+                        : pick_kernel(isa, param_is_bf16 != 0, grad_is_bf16 != 0, moment_format == kMomentsBf16,
+                                      l2, bf16_out != nullptr);
+  const Q8Fn fn_q8 = q8 ? pick_q8_kernel(isa, param_is_bf16 != 0, grad_is_bf16 != 0, l2, bf16_out != nullptr)
+                        : nullptr;
+  QMaps maps{{qmap_signed, thresholds_signed, {}}, {qmap_unsigned, thresholds_unsigned, {}}};
+  if (q8) {
+    fill_levels(maps.exp_avg);
+    fill_levels(maps.exp_avg_sq);
+  }
   const int64_t param_size = param_is_bf16 ? 2 : 4;
   const int64_t grad_size = grad_is_bf16 ? 2 : 4;
-  const int64_t moment_size = moments_are_bf16 ? 2 : 4;
+  const int64_t moment_size = moment_format == kMomentsF32 ? 4 : moment_format == kMomentsBf16 ? 2 : 1;
   auto* param_bytes = static_cast<char*>(param);
   const auto* grad_bytes = static_cast<const char*>(grad);
   auto* exp_avg_bytes = static_cast<char*>(exp_avg);
   auto* exp_avg_sq_bytes = static_cast<char*>(exp_avg_sq);
   const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  static_assert(kBlock % kQBlock == 0, "a work block holds whole 8-bit blocks");
   std::atomic<int64_t> next{0};
   auto job = [&](int) {
     for (int64_t b = next.fetch_add(1); b < num_blocks; b = next.fetch_add(1)) {
       const int64_t lo = b * kBlock;
       const int64_t len = std::min(kBlock, n - lo);
-      fn(c, param_bytes + lo * param_size, grad_bytes + lo * grad_size, exp_avg_bytes + lo * moment_size,
-         exp_avg_sq_bytes + lo * moment_size, bf16_out ? bf16_out + lo : nullptr, len);
+      uint16_t* out = bf16_out ? bf16_out + lo : nullptr;
+      if (q8) {
+        fn_q8(c, maps, param_bytes + lo * param_size, grad_bytes + lo * grad_size,
+              reinterpret_cast<uint8_t*>(exp_avg_bytes) + lo, exp_avg_scale + lo / kQBlock,
+              reinterpret_cast<uint8_t*>(exp_avg_sq_bytes) + lo, exp_avg_sq_scale + lo / kQBlock, out, len);
+      } else {
+        fn(c, param_bytes + lo * param_size, grad_bytes + lo * grad_size, exp_avg_bytes + lo * moment_size,
+           exp_avg_sq_bytes + lo * moment_size, out, len);
+      }
     }
   };
   g_pool->run(workers(num_threads, num_blocks), job);

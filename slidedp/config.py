@@ -14,7 +14,7 @@ RuntimeName = Literal["slidedp", "slideformer", "megatrain"]
 """The runtime's own policies, or a peer system's re-implemented on it (slidedp/peer_styles.py)."""
 EmbeddingUpdate = Literal["host", "gpu", "resident"]
 """Where the embedding's AdamW runs (slidedp/gpu_update.py)."""
-MomentsDtype = Literal["float32", "bfloat16"]
+MomentsDtype = Literal["float32", "bfloat16", "8bit"]
 """The dtype of the Adam moments in host memory (slidedp/host_state.py)."""
 
 
@@ -78,8 +78,12 @@ class SlideDPConfig:
     moments_dtype: MomentsDtype = "float32"
     """The Adam moments' dtype in host memory: "bfloat16" takes 10 B/param instead of 14 and 8
     fewer bytes per parameter through DRAM in each update; the fused CPU Adam widens them exactly,
-    updates in FP32 and rounds them back to nearest even. Not with optimizer state resident on
-    the GPU (its moments would stay FP32 between saves, so a resume would not be exact)."""
+    updates in FP32 and rounds them back to nearest even. "8bit" takes 8 B/param: torchao's
+    AdamW8bit format (a dynamic-tree byte code per element, one FP32 absmax per 128), dequantized,
+    updated in FP32 and requantized in the same pass; fewer bytes, but the code lookups make
+    its update compute-bound (docs/PERFORMANCE.md). Not with optimizer state resident on the GPU
+    (its moments would stay FP32 between saves, so a resume would not be exact); "8bit" not with
+    embedding_update = "gpu" either."""
     autopolicy: bool = False
     """Choose the routes, chunk, slots and per-block activation policies at start by measuring
     this machine (AutoPolicy: a few steps with lr = 0, then the optimizer state is reset); the

@@ -3,7 +3,9 @@
 The kernel (`csrc/cpu_adam.cpp`) reads the BF16 or FP32 gradient, updates the FP32 params and
 moments, and optionally writes a BF16 copy of the params, all in one pass over memory; BF16 params
 (a BF16 master) and BF16 moments (10 host bytes per parameter instead of 14) are updated in FP32
-and rounded back in place, in the same pass. It is compiled on first use into
+and rounded back in place, in the same pass, and so are blockwise 8-bit moments (8 bytes per
+parameter; torchao's AdamW8bit format: a byte code per element into bitsandbytes' dynamic-tree
+table, one FP32 absmax per `MOMENT_BLOCK` elements). It is compiled on first use into
 `${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` and loaded with ctypes, which releases the GIL for the
 call, so the runtime can update one slice while other threads move the next. Without a compiler
 the same math runs in torch ops (`torch._fused_adamw_` and separate casts).
@@ -37,6 +39,9 @@ _ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}  # `Isa` in 
 _SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_adam.cpp"
 # No -march: one build serves every CPU, each ISA path carries its own target attribute.
 # -ffp-contract=off keeps every path rounding exactly as written (and as torch's kernel does).
+_MOMENT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}  # `MomentFormat` in the C++
+MOMENT_BLOCK = 128
+"""Elements per scale of 8-bit moments (`kQBlock` in the C++); layout.SHARD_ALIGN is a multiple."""
 _CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-ffp-contract=off",
               "-fno-math-errno", "-Wno-psabi")
 
@@ -98,7 +103,10 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int,  # isa
         ctypes.c_void_p, ctypes.c_int,  # param, param_is_bf16
         ctypes.c_void_p, ctypes.c_int,  # grad, grad_is_bf16
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # exp_avg, exp_avg_sq, moments_are_bf16
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # exp_avg, exp_avg_sq, moment_format
+        ctypes.c_void_p, ctypes.c_void_p,  # exp_avg_scale, exp_avg_sq_scale
+        ctypes.c_void_p, ctypes.c_void_p,  # qmap_signed, qmap_unsigned
+        ctypes.c_void_p, ctypes.c_void_p,  # thresholds_signed, thresholds_unsigned
         ctypes.c_void_p,  # bf16_out
         ctypes.c_int64, ctypes.c_int64,  # n, step
         ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,  # lr .. wd
@@ -152,6 +160,61 @@ def default_num_threads(*, local_world: int | None = None) -> int:
     return max(1, cores // max(1, local_world))
 
 
+@functools.cache
+def dynamic_qmap(*, signed: bool) -> Tensor:
+    """bitsandbytes' dynamic-tree code (Dettmers, arXiv:1511.04561), 256 sorted FP32 values in
+    [-1, 1] (signed) or [0, 1], built as torchao.optim.quant_utils.create_dynamic_map builds it
+    (tests/test_cpu_adam.py checks the two are equal): for each decimal exponent 10^-6 .. 10^0,
+    the midpoints of an even split of [0.1, 1] into 2^i parts (2^(i+1) unsigned), then 0 and 1.
+    Built here because importing torchao takes seconds and is not needed to train."""
+    exponent_bits, data_bits = 7, 7  # 8-bit codes less a sign bit (bitsandbytes counts it unsigned too)
+    values: list[float] = []
+    for i in range(exponent_bits):
+        parts = 2 ** (i + data_bits - exponent_bits + (0 if signed else 1))
+        edges = torch.linspace(0.1, 1, parts + 1)
+        means = ((edges[:-1] + edges[1:]) / 2.0) * 10 ** (i - exponent_bits + 1)
+        values += means.tolist()
+        if signed:
+            values += (-means).tolist()
+    values += [0.0, 1.0]
+    assert len(values) == 256
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+def _ordered(x: Tensor) -> Tensor:
+    """FP32 values as int64 keys in the same order (both zeros at 0)."""
+    bits = x.view(torch.int32).to(torch.int64)
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _unordered(key: Tensor) -> Tensor:
+    bits = torch.where(key < 0, (-key) | -(2**31), key)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+@functools.cache
+def quantize_thresholds(*, signed: bool) -> Tensor:
+    """For each code c of `dynamic_qmap`, the least FP32 value that torchao's
+    quantize_8bit_with_qmap codes above c; the last entry is NaN (no value is). torchao takes
+    the last value d <= x and steps up to the next, u, when x - d >= (u - d) * 0.5 in FP32;
+    that test is monotone in x, so a bisection over the floats in [d, u] finds where it turns,
+    and the kernel's code is then the count of thresholds <= x (csrc/cpu_adam.cpp QCode)."""
+    qmap = dynamic_qmap(signed=signed)
+    down, up = qmap[:-1], qmap[1:]
+    half_gap = (up - down) * 0.5
+    lo, hi = _ordered(down), _ordered(up)  # up itself codes above: x - d = u - d >= half the gap
+    for _ in range(33):  # the keys of [d, u] span < 2^32
+        mid = (lo + hi) // 2
+        steps_up = (_unordered(mid) - down) >= half_gap
+        hi, lo = torch.where(steps_up, mid, hi), torch.where(steps_up, lo, mid + 1)
+    return torch.cat([_unordered(hi), torch.tensor([float("nan")])])
+
+
+def moment_scales(n: int) -> int:
+    """FP32 scales of `n` elements of 8-bit moments (a partial last block has its own)."""
+    return -(-n // MOMENT_BLOCK)
+
+
 def _check(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], numel: int, *, fn: str = "adam_update") -> None:
     if (t.device.type != "cpu" or t.dtype not in dtypes or t.dim() != 1 or not t.is_contiguous()
             or t.numel() != numel):
@@ -162,14 +225,20 @@ def _check(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], numel: int, *,
 
 def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
                 beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool = True,
-                grad_scale: float = 1.0, bf16_out: Tensor | None = None, num_threads: int | None = None) -> None:
+                grad_scale: float = 1.0, bf16_out: Tensor | None = None,
+                exp_avg_scale: Tensor | None = None, exp_avg_sq_scale: Tensor | None = None,
+                num_threads: int | None = None) -> None:
     """One Adam(W) step in place on a flat range, as torch.optim.AdamW/Adam(fused=True) would do it.
 
     param/exp_avg/exp_avg_sq: 1-D contiguous float32 CPU tensors (views into bigger buffers are fine);
     param may be bf16 instead (a BF16 master): read exactly into FP32, updated there and rounded
-    back in place (round-to-nearest-even), so it takes no bf16_out. exp_avg and exp_avg_sq may both
-    be bf16 instead (not just one): the step is then the FP32 step on exact FP32 copies of them, each
-    rounded back to bf16 in place (round-to-nearest-even).
+    back in place (round-to-nearest-even), so it takes no bf16_out. exp_avg and exp_avg_sq share one
+    dtype: float32, bf16 (the step is then the FP32 step on exact FP32 copies of them, each rounded
+    back to bf16 in place, round-to-nearest-even) or uint8, blockwise 8-bit codes with their FP32
+    scales in exp_avg_scale / exp_avg_sq_scale (`moment_scales(n)` each; the range starts at a
+    block's start): the step is the FP32 step on the dequantized moments, which are then
+    requantized as torchao's AdamW8bit does (absmax per block into `dynamic_qmap`; the params
+    take the unrounded moments). All-zero codes and scales are zero moments.
     grad: bf16 or float32, same length, used as grad * grad_scale. adamw=False is Adam with L2 weight
     decay. step counts from 1 (after the increment). bf16_out, when given, receives the updated
     params rounded to bf16 (round-to-nearest-even); it may be the very memory of a bf16 grad (each
@@ -180,11 +249,20 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     n = param.numel()
     _check("param", param, (torch.float32, torch.bfloat16), n)
     _check("grad", grad, (torch.bfloat16, torch.float32), n)
-    _check("exp_avg", exp_avg, (torch.float32, torch.bfloat16), n)
-    _check("exp_avg_sq", exp_avg_sq, (torch.float32, torch.bfloat16), n)
+    moment_dtypes = tuple(_MOMENT_FORMATS)
+    _check("exp_avg", exp_avg, moment_dtypes, n)
+    _check("exp_avg_sq", exp_avg_sq, moment_dtypes, n)
     if exp_avg.dtype != exp_avg_sq.dtype:
-        raise ValueError(f"adam_update: exp_avg and exp_avg_sq must share one dtype (both float32 or both "
-                         f"bfloat16); got exp_avg {exp_avg.dtype}, exp_avg_sq {exp_avg_sq.dtype}")
+        raise ValueError(f"adam_update: exp_avg and exp_avg_sq must share one dtype (both float32, "
+                         f"bfloat16 or uint8); got exp_avg {exp_avg.dtype}, exp_avg_sq {exp_avg_sq.dtype}")
+    quantized = exp_avg.dtype == torch.uint8
+    if quantized:
+        for name, t in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)):
+            if t is None:
+                raise ValueError(f"adam_update: uint8 (8-bit) moments need {name}")
+            _check(name, t, (torch.float32,), moment_scales(n))
+    elif exp_avg_scale is not None or exp_avg_sq_scale is not None:
+        raise ValueError(f"adam_update: scales are for uint8 (8-bit) moments, not {exp_avg.dtype}")
     if bf16_out is not None:
         _check("bf16_out", bf16_out, (torch.bfloat16,), n)
         if param.dtype == torch.bfloat16:
@@ -199,12 +277,17 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
         return
     if isa == TORCH_ISA:
         _torch_update(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                      weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, bf16_out=bf16_out)
+                      weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, bf16_out=bf16_out,
+                      scales=(exp_avg_scale, exp_avg_sq_scale) if quantized else None)
         return
+    maps = ((dynamic_qmap(signed=True), dynamic_qmap(signed=False), quantize_thresholds(signed=True),
+             quantize_thresholds(signed=False)) if quantized else ())
     rc = _library().slidedp_cpu_adam_update(
         _ISA_CODES[isa], param.data_ptr(), int(param.dtype == torch.bfloat16), grad.data_ptr(),
         int(grad.dtype == torch.bfloat16),
-        exp_avg.data_ptr(), exp_avg_sq.data_ptr(), int(exp_avg.dtype == torch.bfloat16),
+        exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _MOMENT_FORMATS[exp_avg.dtype],
+        exp_avg_scale.data_ptr() if quantized else None, exp_avg_sq_scale.data_ptr() if quantized else None,
+        *(t.data_ptr() for t in maps) if maps else (None,) * 4,
         None if bf16_out is None else bf16_out.data_ptr(),
         n, step, lr, beta1, beta2, eps, weight_decay, int(adamw), grad_scale, threads)
     if rc != 0:
@@ -248,21 +331,50 @@ def stream_triad(a: Tensor, b: Tensor, c: Tensor, *, scalar: float, num_threads:
 
 def _torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
                   beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool, grad_scale: float,
-                  bf16_out: Tensor | None) -> None:
+                  bf16_out: Tensor | None, scales: tuple[Tensor, Tensor] | None) -> None:
     """The fallback: torch's fused kernel plus the casts around it (torch's intra-op threads). BF16
     params or moments are widened to FP32 copies and copied back (`copy_` into bf16 rounds to nearest
-    even, as the kernel does)."""
+    even, as the kernel does); 8-bit moments are dequantized and requantized with torchao's own
+    functions, whose codes the kernel reproduces."""
     if grad.dtype != torch.float32 or grad_scale != 1.0:
         grad = grad.float() * grad_scale
     if param.dtype == torch.bfloat16:
         param, bf16_out = param.float(), param
-    bf16_moments = (exp_avg, exp_avg_sq) if exp_avg.dtype == torch.bfloat16 else ()
-    if bf16_moments:
+    stored = (exp_avg, exp_avg_sq)
+    if scales is not None:
+        exp_avg, exp_avg_sq = (dequantize_moment(c, s, signed=signed)
+                               for c, s, signed in zip(stored, scales, (True, False)))
+    elif exp_avg.dtype == torch.bfloat16:
         exp_avg, exp_avg_sq = exp_avg.float(), exp_avg_sq.float()
     fused = torch._fused_adamw_ if adamw else torch._fused_adam_
     fused([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr, beta1=beta1,
           beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-    for dst, src in zip(bf16_moments, (exp_avg, exp_avg_sq)):
-        dst.copy_(src)
+    for i, (dst, src) in enumerate(zip(stored, (exp_avg, exp_avg_sq))):
+        if scales is not None:
+            quantize_moment(src, signed=i == 0, codes=dst, scale=scales[i])
+        elif dst.dtype != torch.float32:
+            dst.copy_(src)
     if bf16_out is not None:
         bf16_out.copy_(param)
+
+
+def _blocks(x: Tensor) -> Tensor:
+    """x as rows of MOMENT_BLOCK, zero-padded (a zero changes no block's absmax)."""
+    pad = -x.numel() % MOMENT_BLOCK
+    return torch.nn.functional.pad(x, (0, pad)).view(-1, MOMENT_BLOCK)
+
+
+def dequantize_moment(codes: Tensor, scale: Tensor, *, signed: bool) -> Tensor:
+    """FP32 values of 8-bit moment codes and their block scales (exp_avg: signed)."""
+    from torchao.optim.quant_utils import dequant_with_qmap  # torchao imports in seconds: only here
+
+    return dequant_with_qmap(_blocks(codes), dynamic_qmap(signed=signed), scale).view(-1)[:codes.numel()]
+
+
+def quantize_moment(x: Tensor, *, signed: bool, codes: Tensor, scale: Tensor) -> None:
+    """8-bit codes and block scales of FP32 `x` into `codes` and `scale`, as torchao stores them."""
+    from torchao.optim.quant_utils import quantize_8bit_with_qmap, scale_tensor
+
+    scaled, block_scale = scale_tensor(_blocks(x), MOMENT_BLOCK)
+    codes.copy_(quantize_8bit_with_qmap(scaled, dynamic_qmap(signed=signed)).view(-1)[:codes.numel()])
+    scale.copy_(block_scale)

@@ -340,7 +340,7 @@ class SlideDPBackend:
         self._barrier()  # no peer's delivery reads our version counters any more
         for unit in self.layout.units:
             lo, hi = unit.shard(self.rank, self.world)
-            for region in ("exp_avg", "exp_avg_sq"):
+            for region in self.state.plan.state_regions()[1:]:  # the moments (and their scales)
                 self.state.unit_view(region, unit.index, lo, hi).zero_()
             self.state.version[unit.index, self.rank] = 0
         for g in self.gpu_updates.values():

@@ -67,6 +67,10 @@ def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: in
                          'optimizer state at home: slidedp.gpu_state_blocks = 0 and '
                          'slidedp.embedding_update = "host" or "gpu" (resident state keeps FP32 '
                          'moments between saves)')
+    if cfg.moments_dtype == "8bit" and cfg.embedding_update == "gpu":
+        raise ValueError('slidedp.moments_dtype = "8bit" needs slidedp.embedding_update = "host": '
+                         "the GPU update of a streamed embedding carries FP32 or BF16 moments, "
+                         "not 8-bit codes")
     if cfg.embedding_update == "host" and cfg.gpu_state_blocks == 0:
         return
     # The update needs the summed gradient shard on the GPU: the gpu route, one micro-batch

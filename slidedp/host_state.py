@@ -11,7 +11,9 @@ Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_A
   master fp32, exp_avg fp32, exp_avg_sq fp32     12 bytes/param, always (a BF16 master, 10 in
                                                   all, for slidedp.runtime = "megatrain"; BF16
                                                   moments, 8, for slidedp.moments_dtype =
-                                                  "bfloat16")
+                                                  "bfloat16"; 8-bit, 6, for "8bit")
+  exp_avg_scale fp32, exp_avg_sq_scale fp32       4/128 bytes/param each, only for 8-bit moments
+                                                  (one absmax per cpu_adam.MOMENT_BLOCK elements)
   shadow bf16                                     2 bytes/param, when bf16_shadow (delivery source;
                                                   with one micro-batch it also holds each unit's
                                                   returned gradient until the unit's update)
@@ -38,12 +40,16 @@ from typing import Callable, Literal
 
 import torch
 
-from slidedp.config import SlideDPConfig
-from slidedp.layout import StateLayout
+from slidedp.config import MomentsDtype, SlideDPConfig
+from slidedp.cpu_adam import MOMENT_BLOCK, moment_scales
+from slidedp.layout import SHARD_ALIGN, StateLayout
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.streams import register_host, unregister_host
 
 _CONTROL_FIELDS = ("version", "ready", "consumed")
+MOMENT_SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
+"""The scale region of each 8-bit moment region: one FP32 per MOMENT_BLOCK elements."""
+assert SHARD_ALIGN % MOMENT_BLOCK == 0  # no rank's shard or chunk splits a block of scales
 
 
 Hold = Literal["none", "device", "shadow", "grad_bf16", "grad_accum", "staging", "shared_accum"]
@@ -81,8 +87,9 @@ class HostStatePlan:
     """The master weights are BF16 (slidedp.runtime = "megatrain"): 2 bytes/param, not 4."""
     grad_lock: bool = False
     """The ranks add their gradients into `grad_accum` under one host lock (reduction="locked")."""
-    bf16_moments: bool = False
-    """The Adam moments are BF16 (slidedp.moments_dtype = "bfloat16"): 4 bytes/param, not 8."""
+    moments: MomentsDtype = "float32"
+    """The Adam moments' format (slidedp.moments_dtype): 8, 4 (BF16) or 2 (8-bit, plus a scale
+    per 128) bytes/param."""
 
     @classmethod
     def for_run(cls, cfg: SlideDPConfig, *, grad_accum_steps: int, max_norm: float,
@@ -103,7 +110,7 @@ class HostStatePlan:
                               and cfg.reduction == "gpu"),
                    grad_accum=accumulate or locked, cpu_staging=cfg.reduction == "cpu",
                    bf16_master=style.bf16_master, grad_lock=locked,
-                   bf16_moments=cfg.moments_dtype == "bfloat16")
+                   moments=cfg.moments_dtype)
 
     def hold(self, *, n_micro: int, reduction: str, deferred: bool) -> "Hold":
         """Where a step of `n_micro` micro-batches on the `reduction` route keeps its gradients
@@ -133,23 +140,30 @@ class HostStatePlan:
                          "buffer on reduction='gpu': start with slidedp.reduction = 'gpu' or "
                          "with slidedp.bf16_shadow")
 
+    def state_regions(self) -> tuple[str, ...]:
+        """The regions of the optimizer state proper (what a save holds)."""
+        scales = tuple(MOMENT_SCALES.values()) if self.moments == "8bit" else ()
+        return ("master", "exp_avg", "exp_avg_sq", *scales)
+
     def describe(self) -> str:
         """The optional regions, as the start-up report names them."""
         optional = ((self.bf16_shadow, "bf16 shadow"), (self.grad_bf16, "bf16 grad buffer"),
                     (self.grad_accum and not self.grad_lock, "fp32 grad buffer"),
                     (self.grad_lock, "one locked fp32 grad sum"),
                     (self.cpu_staging, "per-rank grad staging"))
-        master = (f"{'bf16' if self.bf16_master else 'fp32'} master+"
-                  f"{'bf16' if self.bf16_moments else 'fp32'} moments")
+        moments = {"float32": "fp32", "bfloat16": "bf16", "8bit": "8-bit"}[self.moments]
+        master = f"{'bf16' if self.bf16_master else 'fp32'} master+{moments} moments"
         return " + ".join([master, *(name for present, name in optional if present)])
 
 
 def _region_sizes(layout: StateLayout, plan: HostStatePlan) -> list[tuple[str, torch.dtype, int]]:
     n, world = layout.total, layout.world
-    moments = torch.bfloat16 if plan.bf16_moments else torch.float32
+    moments = {"float32": torch.float32, "bfloat16": torch.bfloat16, "8bit": torch.uint8}[plan.moments]
     regions = [("master", torch.bfloat16 if plan.bf16_master else torch.float32, n),
                ("exp_avg", moments, n),
                ("exp_avg_sq", moments, n)]
+    if plan.moments == "8bit":
+        regions += [(scale, torch.float32, moment_scales(n)) for scale in MOMENT_SCALES.values()]
     if plan.bf16_shadow:
         regions.append(("shadow", torch.bfloat16, n))
     if plan.grad_bf16:
@@ -304,10 +318,14 @@ class SharedHostState:
         raise AttributeError(name)
 
     def unit_view(self, region: str, unit_index: int, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Elements [start, end) of a unit inside a flat region."""
+        """Elements [start, end) of a unit inside a flat region; of a scale region, the scales
+        of those elements (start a multiple of MOMENT_BLOCK)."""
         u = self.layout.units[unit_index]
         end = u.padded if end is None else end
-        return self.regions[region][u.host_offset + start:u.host_offset + end]
+        lo, hi = u.host_offset + start, u.host_offset + end
+        if region in MOMENT_SCALES.values():
+            lo, hi = lo // MOMENT_BLOCK, moment_scales(hi)
+        return self.regions[region][lo:hi]
 
     def staging_view(self, owner: int, unit_index: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rank `owner`'s returned full gradient of a unit (CPU-side reduction)."""

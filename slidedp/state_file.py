@@ -1,9 +1,12 @@
-"""One rank's part of the host state on disk (FP32; a BF16 master as BF16), for exact resume.
+"""One rank's part of the host state on disk, as stored (FP32; a BF16 master, BF16 or 8-bit
+moments as such), for exact resume.
 
 Rank r of R writes `slidedp-rank{r}-of-{R}.safetensors` with its shard (`Unit.shard(r, R)`,
-padding included) of every unit in each of the regions `master`, `exp_avg`, `exp_avg_sq`, named
+padding included) of every unit in each region of the optimizer state (`master`, `exp_avg`,
+`exp_avg_sq`, and for 8-bit moments their scales; HostStatePlan.state_regions), named
 `{region}.u{unit}` (e.g. `master.u12`), and the step counts in the file's metadata (the
-backend's steps, and Adam's, which skipped non-finite steps do not advance).
+backend's steps, and Adam's, which skipped non-finite steps do not advance). A run whose moments
+are stored otherwise than the save's converts them on load (8-bit ones through FP32).
 The BF16 shadow is not saved: it is the master rounded, rebuilt on load.
 
 The file is written unit by unit, in an order the caller chooses, straight from the shared
@@ -23,12 +26,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from slidedp.host_state import SharedHostState
+from slidedp import cpu_adam
+from slidedp.host_state import MOMENT_SCALES, SharedHostState
 from slidedp.layout import StateLayout, Unit
 
-REGIONS = ("master", "exp_avg", "exp_avg_sq")
 _STEPS_KEY, _ADAM_STEPS_KEY = "steps_done", "adam_steps"
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}  # a BF16 master: runtime "megatrain"
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}
 _FILE = re.compile(r"slidedp-rank\d+-of-(\d+)\.safetensors")
 
 
@@ -39,7 +42,7 @@ def state_file(directory: str, *, rank: int, world: int) -> Path:
 def _unit_shards(state: SharedHostState, unit: Unit) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, view into the shared mapping) of this rank's shard of `unit`, every region."""
     lo, hi = unit.shard(state.rank, state.world)
-    for region in REGIONS:
+    for region in state.plan.state_regions():
         yield f"{region}.u{unit.index}", state.unit_view(region, unit.index, lo, hi)
 
 
@@ -88,16 +91,48 @@ def load_shards(state: SharedHostState, directory: str) -> tuple[int, int]:
                          f"{_saved_world_sizes(directory) or 'none'}, this run has {state.world} "
                          "ranks: resume with the same number of ranks")
     with safe_open(path, framework="pt") as f:
+        saved_8bit = any(key.startswith("exp_avg_scale.") for key in f.keys())
         for unit in state.layout.units:
             for name, dest in _unit_shards(state, unit):
+                region = name.split(".")[0]
+                if region in MOMENT_SCALES.values():
+                    continue  # written with its moment
+                if region in MOMENT_SCALES and saved_8bit != (dest.dtype == torch.uint8):
+                    _convert_moment(f, state, unit, region, name, dest)
+                    continue
                 saved = f.get_tensor(name)
                 if saved.shape != dest.shape:
                     raise ValueError(f"{path}: {name} has {saved.numel()} elements, this model's "
                                      f"shard {dest.numel()}: saved from a different model")
                 dest.copy_(saved)
+                if region in MOMENT_SCALES and saved_8bit:
+                    scale = f"{MOMENT_SCALES[region]}.u{unit.index}"
+                    _unit_view(state, unit, MOMENT_SCALES[region]).copy_(f.get_tensor(scale))
         meta = f.metadata()
     steps = int(meta[_STEPS_KEY])
     return steps, int(meta.get(_ADAM_STEPS_KEY, steps))  # saves from before skipping existed
+
+
+def _unit_view(state: SharedHostState, unit: Unit, region: str) -> torch.Tensor:
+    lo, hi = unit.shard(state.rank, state.world)
+    return state.unit_view(region, unit.index, lo, hi)
+
+
+def _convert_moment(f, state: SharedHostState, unit: Unit, region: str, name: str,
+                    dest: torch.Tensor) -> None:
+    """A saved moment into `dest` stored otherwise: 8-bit codes are dequantized to FP32, and
+    FP32 (or BF16) quantized, as the CPU Adam would store them."""
+    saved = f.get_tensor(name)
+    if saved.shape != dest.shape:
+        raise ValueError(f"{name} has {saved.numel()} elements, this model's shard "
+                         f"{dest.numel()}: saved from a different model")
+    signed = region == "exp_avg"
+    if saved.dtype == torch.uint8:
+        scale = f.get_tensor(f"{MOMENT_SCALES[region]}.u{unit.index}")
+        dest.copy_(cpu_adam.dequantize_moment(saved, scale, signed=signed))
+    else:
+        cpu_adam.quantize_moment(saved.float(), signed=signed, codes=dest,
+                                 scale=_unit_view(state, unit, MOMENT_SCALES[region]))
 
 
 def read_master(layout: StateLayout, directory: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -278,8 +278,12 @@ class HostOptimizer:
         """Update global elements [start, end) with `grad` (bf16 or fp32, same length)."""
         st, h = self.state, self.hyper
         bf16_out = st.shadow[start:end] if st.plan.bf16_shadow else None
+        scales = {}
+        if st.plan.moments == "8bit":  # whole blocks: start is a shard or chunk boundary
+            lo, hi = start // cpu_adam.MOMENT_BLOCK, cpu_adam.moment_scales(end)
+            scales = {"exp_avg_scale": st.exp_avg_scale[lo:hi], "exp_avg_sq_scale": st.exp_avg_sq_scale[lo:hi]}
         cpu_adam.adam_update(
             st.master[start:end], grad, st.exp_avg[start:end], st.exp_avg_sq[start:end],
             step=step, lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
             weight_decay=h.weight_decay, grad_scale=grad_scale, bf16_out=bf16_out,
-            num_threads=self.threads)
+            num_threads=self.threads, **scales)

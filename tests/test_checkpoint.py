@@ -22,7 +22,7 @@ from recipes.checkpoint import (META_FILE, TRAIN_STATE, CheckpointSaver, NonFini
                                 latest_checkpoint, prune, staging_dir)
 from recipes.baselines.eager import build_single_backend
 from slidedp.save_gate import SaveGate
-from slidedp.state_file import REGIONS, state_file
+from slidedp.state_file import state_file
 from tests.slidedp_worker import make_config
 
 ARGS = get_flavor("qwen3-debug")
@@ -43,7 +43,7 @@ def _slidedp(nonfinite: str):
 def _host_state(backend) -> dict[str, torch.Tensor]:
     dict(backend.named_master_parameters())  # the pending updates are done
     return {f"{region}.u{unit.index}": backend.state.unit_view(region, unit.index).clone()
-            for region in REGIONS for unit in backend.layout.units}
+            for region in backend.state.plan.state_regions() for unit in backend.layout.units}
 
 
 @pytest.mark.parametrize("nonfinite", ["stop_consecutive", "off"])

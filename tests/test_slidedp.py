@@ -189,15 +189,16 @@ CASES["test_two_ranks_clipping_without_accumulation"] = Case(
         {"delivery": "replicated", "reduction": "gpu", "bf16_shadow": False,
          "chunk_mib": ODD_CHUNK},
         {"delivery": "sharded", "reduction": "cpu", "bf16_shadow": False},
-        {"delivery": "sharded", "reduction": "gpu", "moments_dtype": "bfloat16"}])
+        {"delivery": "sharded", "reduction": "gpu", "moments_dtype": "bfloat16"},
+        {"delivery": "sharded", "reduction": "cpu", "moments_dtype": "8bit"}])
 
 
 def test_two_ranks_clipping_without_accumulation(request, slidedp_runs):
     # One micro-batch with clipping: the route takes the norm (on the GPU, or inside the host
     # sum) and the BF16 gradients wait on the host for the clipped update, which runs after the
     # step: in the shadow, in the BF16 gradient buffer without one, or (cpu route) in the
-    # staging copies, summed again. BF16 moments (the last variant, 10 B/param) train as single
-    # does to the same bounds.
+    # staging copies, summed again. BF16 moments (10 B/param) and 8-bit ones (the last two
+    # variants) train as single does to the same bounds.
     case, results = slidedp_runs(request.node.name)
     ref_losses, ref_weights = single_reference(world=2, **case.kw)
     assert_matches_reference(results, ref_losses, ref_weights)
@@ -405,7 +406,8 @@ _GPU_STATE = {"embedding_update": "host", "gpu_state_blocks": 2}
     ({**_GPU_STATE, "delivery": "replicated"}, 1, 'several ranks needs slidedp.delivery = "sharded"'),
     ({**_GPU_STATE, "moments_dtype": "bfloat16"}, 1, "needs every unit's optimizer state at home"),
     ({"embedding_update": "resident", "moments_dtype": "bfloat16"}, 1,
-     "needs every unit's optimizer state at home")])
+     "needs every unit's optimizer state at home"),
+    ({"moments_dtype": "8bit"}, 1, 'moments_dtype = "8bit" needs slidedp.embedding_update = "host"')])
 def test_updates_on_the_device_refuse_what_they_cannot_serve(change, accum, said):
     """Said by the preflight check, and by the backend before it allocates anything."""
     from recipes.config import ConfigError
@@ -505,18 +507,19 @@ def test_layout_shards_partition_every_unit(world):
 
 
 def host_bytes_per_element(*, shadow: bool, reduction: str, world: int, accum: int,
-                           deferred: bool, bf16_moments: bool = False) -> int:
+                           deferred: bool, moments: str = "float32") -> float:
     """Issue 10's byte count of the shared host state per element, written out apart from
     slidedp/host_state.py: 12 B of FP32 master and moments; +2 for the BF16 shadow, which also
     holds one micro-batch's BF16 gradients while the updates wait for the step's norm (clipping
     or the non-finite guard); without a shadow +2 for those on the gpu route; +4 for
     accumulation; +2R on the cpu route, whose staging copies then hold them. The locked route
     (MegaTrain-style, a BF16 master) is 2 + 8 of moments + 4 of the one shared gradient sum.
-    BF16 moments take 4 off the 8 of FP32 ones."""
+    BF16 moments take 4 off the 8 of FP32 ones; 8-bit ones 6, and add two FP32 scales per 128."""
     if reduction == "locked":
         return 14
     cpu = reduction == "cpu"
-    return (12 - 4 * bf16_moments + 2 * shadow + 4 * (accum > 1) + 2 * world * cpu
+    moments_bytes = {"float32": 8, "bfloat16": 4, "8bit": 2 + 2 * 4 / 128}[moments]
+    return (4 + moments_bytes + 2 * shadow + 4 * (accum > 1) + 2 * world * cpu
             + 2 * (deferred and accum == 1 and not shadow and not cpu))
 
 
@@ -534,7 +537,7 @@ def assert_host_bytes(results, *, world: int, flavor: str, accum: int, max_norm:
         per_element = host_bytes_per_element(
             shadow=s.bf16_shadow, reduction=s.reduction, world=world, accum=accum,
             deferred=max_norm > 0 or cfg.training.nonfinite != "off",
-            bf16_moments=s.moments_dtype == "bfloat16")
+            moments=s.moments_dtype)
         mapped = r["host_mapped_bytes"]
         assert mapped == slidedp_host_bytes(cfg, args, world=world), r["variant"]
         assert 0 <= mapped - total * per_element <= 8 * 4096, (r["variant"], per_element)
@@ -557,7 +560,7 @@ def test_host_bytes_per_parameter_by_mode(world):
         for max_norm, nonfinite in ((0.0, "off"), (1.0, "off"), (0.0, "skip"), (1.0, "stop_total")):
             for accum in (1, 2):
                 for reduction, moments in (("gpu", "float32"), ("cpu", "float32"),
-                                           ("gpu", "bfloat16")):
+                                           ("gpu", "bfloat16"), ("gpu", "8bit")):
                     cfg = SlideDPConfig(bf16_shadow=shadow, reduction=reduction,
                                         moments_dtype=moments)
                     plan = HostStatePlan.for_run(cfg, grad_accum_steps=accum, max_norm=max_norm,
@@ -565,7 +568,7 @@ def test_host_bytes_per_parameter_by_mode(world):
                     deferred = max_norm > 0 or nonfinite != "off"
                     expected = host_bytes_per_element(shadow=shadow, reduction=reduction,
                                                       world=world, accum=accum, deferred=deferred,
-                                                      bf16_moments=moments == "bfloat16")
+                                                      moments=moments)
                     per_param = host_state_bytes(layouts[0], plan) / big.num_params()
                     assert per_param == pytest.approx(expected, abs=0.01), (plan, per_param)
                     if accum == 1 and reduction == "gpu" and max_norm > 0:
@@ -574,6 +577,8 @@ def test_host_bytes_per_parameter_by_mode(world):
                         assert per_param < 12.01
                     if moments == "bfloat16" and accum == 1 and max_norm > 0:
                         assert per_param < 10.01  # issue 28: 14 -> 10 with BF16 moments
+                    if moments == "8bit" and accum == 1 and max_norm > 0:
+                        assert per_param < 8.08  # and -> 8 with 8-bit ones
                     state = SharedHostState(layouts[1], plan, rank=0, world=world,
                                             share=lambda s: s, barrier=lambda: None, pin=False)
                     try:

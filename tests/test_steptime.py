@@ -69,7 +69,7 @@ def test_bf16_moments_shorten_the_host_bound_update_by_their_bytes():
     a = 0.5
     r = rates(adam_gparams={4: elems / a / 1e9})
     fp32 = simulate_step(spec(blocks=L, block_elems=elems), r)
-    bf16 = simulate_step(spec(blocks=L, block_elems=elems, bf16_moments=True), r)
+    bf16 = simulate_step(spec(blocks=L, block_elems=elems, moments="bfloat16"), r)
     share = (ADAM_BYTES["bf16"] - BF16_MOMENTS_SAVE) / ADAM_BYTES["bf16"]
     assert share == pytest.approx(20 / 28)
     assert bf16.demand_s["cpu update"] == pytest.approx(share * fp32.demand_s["cpu update"],

@@ -144,8 +144,7 @@ def _updates(row: dict) -> str:
         _get(row, "embedding_update"), "")
     if _get(row, "gpu_state_blocks"):
         where += f", {_get(row, 'gpu_state_blocks')} blocks resident on the GPU"
-    if _get(row, "moments_dtype") == "bfloat16":
-        where += ", BF16 moments"
+    where += {"bfloat16": ", BF16 moments", "8bit": ", 8-bit moments"}.get(_get(row, "moments_dtype"), "")
     return ("deferred" if deferred else "in backward") + where
 
 

@@ -382,7 +382,7 @@ def _runtime_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
     """The runtime style and the host state the build runs with (the shadow as the host state
     has it: a peer runtime style sets its own)."""
     return {"runtime": a.runtime, "bf16_shadow": backend.state.plan.bf16_shadow,
-            "moments_dtype": "bfloat16" if backend.state.plan.bf16_moments else "float32",
+            "moments_dtype": backend.state.plan.moments,
             "cpu_threads": backend.optimizer.threads,
             "host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
 
@@ -462,8 +462,8 @@ def system_name(row: dict) -> str:
         name += f" {row['embedding_update']}-embedding"
     if row.get("gpu_state_blocks"):
         name += f" gpu-state-{row['gpu_state_blocks']}"
-    if row.get("moments_dtype") == "bfloat16":  # not the default
-        name += " bf16-moments"
+    if row.get("moments_dtype") in ("bfloat16", "8bit"):  # not the default
+        name += f" {'bf16' if row['moments_dtype'] == 'bfloat16' else '8bit'}-moments"
     return name + (f" {row['label']}" if row.get("label") else "")
 
 

@@ -85,7 +85,7 @@ def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, 
         tokens=batch * tr.seq_len * tr.grad_accum_steps * world, schedule=schedule,
         kernels=kernels, embedding_on_gpu=s.embedding_update == "gpu",
         resident_units=frozenset(u for u, resident in gpu_updated_units(s, args.n_layers).items() if resident),
-        bf16_moments=host.bf16_moments)
+        moments=host.moments)
 
 
 def state_plan(config) -> HostStatePlan:

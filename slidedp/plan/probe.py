@@ -169,13 +169,18 @@ def _host(device: torch.device, *, cores: int, sizes: ProbeSizes,
     g, shadow = torch.randn(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
     acc = torch.zeros(n)
     pinned = torch.empty(n, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
-    adam, gsum, cast = {}, {}, {}
+    scales = cpu_adam.moment_scales(n)
+    m8, v8 = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    m8_scale, v8_scale = torch.zeros(scales), torch.zeros(scales)
+    adam, adam_8bit, gsum, cast = {}, {}, {}, {}
     before = torch.get_num_threads()
     step = [0]
 
-    def adam_pass(threads: int) -> None:
+    def adam_pass(threads: int, *, moments_8bit: bool = False) -> None:
         step[0] += 1
-        cpu_adam.adam_update(p, g, m, v, step=step[0], lr=1e-5, beta1=0.9, beta2=0.95, eps=1e-8,
+        moments = ({"exp_avg": m8, "exp_avg_sq": v8, "exp_avg_scale": m8_scale,
+                    "exp_avg_sq_scale": v8_scale} if moments_8bit else {"exp_avg": m, "exp_avg_sq": v})
+        cpu_adam.adam_update(p, g, **moments, step=step[0], lr=1e-5, beta1=0.9, beta2=0.95, eps=1e-8,
                              weight_decay=0.1, bf16_out=shadow, num_threads=threads)
 
     cpu = torch.device("cpu")
@@ -183,6 +188,8 @@ def _host(device: torch.device, *, cores: int, sizes: ProbeSizes,
         for t in _thread_counts(cores):
             torch.set_num_threads(t)
             adam[t] = n / _median_seconds(lambda: adam_pass(t), device=cpu, repeats=sizes.repeats) / 1e9
+            adam_8bit[t] = n / _median_seconds(lambda: adam_pass(t, moments_8bit=True), device=cpu,
+                                               repeats=sizes.repeats) / 1e9
             gsum[t] = n / _median_seconds(
                 lambda: cpu_adam.grad_accumulate(acc, g, assign=False, want_sumsq=False,
                                                  num_threads=t),
@@ -193,9 +200,10 @@ def _host(device: torch.device, *, cores: int, sizes: ProbeSizes,
         torch.set_num_threads(before)
     dram = triad_gbs(elements=n, threads=cores, repeats=sizes.repeats)
     log(f"host: AdamW {adam[max(adam)]:.2f} Gparam/s at {max(adam)} threads "
-        f"({adam[1]:.2f} at 1), gradient sum {gsum[max(gsum)]:.2f} Gelem/s, cast "
+        f"({adam[1]:.2f} at 1; 8-bit moments {adam_8bit[max(adam)]:.2f}), gradient sum {gsum[max(gsum)]:.2f} Gelem/s, cast "
         f"{cast[max(cast)]:.1f} GB/s, STREAM triad {dram:.1f} GB/s")
-    return {"adam_gparams": adam, "grad_sum_gelems": gsum, "cast_gbs": cast, "dram_gbs": dram}
+    return {"adam_gparams": adam, "adam_8bit_gparams": adam_8bit, "grad_sum_gelems": gsum,
+            "cast_gbs": cast, "dram_gbs": dram}
 
 
 def probe_machine(device: torch.device, *, rank: int = 0, world: int = 1, group=None,

@@ -142,12 +142,23 @@ class Rates:
     """Measured activation costs by `timing_key` (slidedp/activations/cost.py)."""
     model: str = ""
     """`model_key` of the model whose timings and costs these are (empty: machine rates only)."""
+    adam_8bit_gparams: dict[int, float] = field(default_factory=dict)
+    """CPU AdamW with 8-bit moments (slidedp.moments_dtype = "8bit"), Gparam/s by thread count:
+    bound by its code lookups rather than by bytes, so not derived from `adam_gparams` (empty:
+    not measured on this machine)."""
 
     # ---- lookups -------------------------------------------------------------------------------
 
     def adam(self, threads: int) -> float:
         """AdamW parameters per second with `threads` threads."""
         return by_threads(self.adam_gparams, threads) * 1e9
+
+    def adam_8bit(self, threads: int) -> float:
+        """AdamW parameters per second with 8-bit moments, with `threads` threads."""
+        if not self.adam_8bit_gparams:
+            raise KeyError(f"rates of {self.machine.name}: no 8-bit AdamW rate measured (re-run "
+                           "`python -m recipes.probe` on this machine)")
+        return by_threads(self.adam_8bit_gparams, threads) * 1e9
 
     def grad_sum(self, threads: int) -> float:
         """Gradient-sum elements per second with `threads` threads."""
@@ -185,8 +196,8 @@ class Rates:
         if data.get("schema") != SCHEMA:
             raise ValueError(f"rates schema {data.get('schema')!r}, this planner reads {SCHEMA}")
         data = {k: v for k, v in data.items() if k != "schema"}
-        for key in ("adam_gparams", "grad_sum_gelems", "cast_gbs"):
-            data[key] = {int(t): float(v) for t, v in data[key].items()}
+        for key in ("adam_gparams", "grad_sum_gelems", "cast_gbs", "adam_8bit_gparams"):
+            data[key] = {int(t): float(v) for t, v in data.get(key, {}).items()}
         data["machine"] = Machine(**data["machine"])
         data["blocks"] = {k: BlockTiming(**v) for k, v in data.get("blocks", {}).items()}
         data["costs"] = {k: BlockCost(**{**v, "gpu": Bytes(**v["gpu"]), "host": Bytes(**v["host"])})

@@ -47,6 +47,7 @@ Not modelled: GPU kernels slowed by copies and collectives running beside them, 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from slidedp.config import MomentsDtype
 from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK
 from slidedp.plan.rates import Rates
 from slidedp.plan.simulate import Simulation, subtract, union_length
@@ -66,6 +67,9 @@ v and the BF16 shadow), with FP32 moments."""
 BF16_MOMENTS_SAVE = 8
 """Bytes per parameter that BF16 moments take off that pass (m and v read and written as 2, not
 4): the pass is bound by host memory traffic, so its time falls in proportion."""
+MOMENTS_8BIT_SAVE = 12
+"""Bytes per parameter that 8-bit moments take off it (m and v as 1 byte each, plus a 4-byte
+scale per 128): counted as DRAM traffic, while the pass's time is its own measured rate."""
 GPU_ADAM_BYTES = 40
 """Device bytes per parameter of an AdamW on the GPU (GpuUpdate.update): the gradient cast to
 FP32 (6), the fused AdamW (read p, g, m, v, write p, m, v: 28), the BF16 copy of the weights
@@ -118,8 +122,8 @@ class StepSpec:
     resident_units: frozenset[int] = frozenset()
     """Units whose optimizer state and a BF16 copy stay on the GPU (0 the embedding, 1 + i block
     i: slidedp.gpu_state_blocks, embedding_update = "resident")."""
-    bf16_moments: bool = False
-    """The host's Adam moments are BF16 (slidedp.moments_dtype = "bfloat16")."""
+    moments: MomentsDtype = "float32"
+    """The host's Adam moments' format (slidedp.moments_dtype)."""
 
     @property
     def n_blocks(self) -> int:
@@ -243,8 +247,13 @@ class _Builder:
         (the first assigns unless `assign` is False)."""
         rates, threads = self.rates, self.threads_of(r)
         if kind == "adam":
-            per_param = ADAM_BYTES[grad] - (BF16_MOMENTS_SAVE if self.spec.bf16_moments else 0)
-            seconds = elems / rates.adam(threads) * per_param / ADAM_BYTES["bf16"]
+            moments = self.spec.moments
+            save = {"float32": 0, "bfloat16": BF16_MOMENTS_SAVE, "8bit": MOMENTS_8BIT_SAVE}[moments]
+            per_param = ADAM_BYTES[grad] - save
+            if moments == "8bit":
+                seconds = elems / rates.adam_8bit(threads)
+            else:
+                seconds = elems / rates.adam(threads) * per_param / ADAM_BYTES["bf16"]
             nbytes = elems * per_param
         else:  # acc = src (6 B/elem), acc += src (10 B/elem), src BF16
             seconds = sources * elems / rates.grad_sum(threads)
