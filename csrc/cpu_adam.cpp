@@ -217,6 +217,13 @@ struct Avx512Ops {
     const __m512i twice = _mm512_add_epi32(k, k);
     return _mm512_mask_add_epi32(twice, _mm512_cmp_ps_mask(x, candidate, _CMP_GE_OQ), twice, _mm512_set1_epi32(1));
   }
+  // Codes (< 256) to bytes in one instruction: a generic narrowing is compiled lane by lane.
+  SLIDEDP_AVX512 static void store_codes(uint8_t* dst, U code) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(__builtin_bit_cast(__m512i, code)));
+  }
+  SLIDEDP_AVX512 static U load_codes(const uint8_t* src) {
+    return __builtin_bit_cast(U, _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  }
   // Entry k of the 32 floats at `at`.
   SLIDEDP_AVX512 static __m512 pair(const float* at, __m512i k) {
     return _mm512_permutex2var_ps(_mm512_loadu_ps(at), k, _mm512_loadu_ps(at + 16));
@@ -326,6 +333,24 @@ inline typename Ops::V code_values(const QCode& q, typename Ops::U code) {
 }
 
 template <class Ops>
+inline void store_codes(uint8_t* dst, typename Ops::U code) {
+  if constexpr (Ops::kPermute) {
+    Ops::store_codes(dst, code);
+  } else {
+    store(dst, convert<typename Ops::B>(code));
+  }
+}
+
+template <class Ops>
+inline typename Ops::U load_codes(const uint8_t* src) {
+  if constexpr (Ops::kPermute) {
+    return Ops::load_codes(src);
+  } else {
+    return convert<typename Ops::U>(load<typename Ops::B>(src));
+  }
+}
+
+template <class Ops>
 inline typename Ops::U quantize_lanes(typename Ops::V x, const QCode& q) {
   if constexpr (Ops::kPermute) {
     return Ops::search(q.levels, x);
@@ -340,36 +365,25 @@ inline typename Ops::U quantize_lanes(typename Ops::V x, const QCode& q) {
 }
 
 // One block's scale, as torchao takes it: max |x| clipped below at 1e-12, NaN if any x is NaN
-// (torch's amax propagates NaN).
+// (torch's amax propagates NaN). Taken on the bits: for non-negative floats the integer order is
+// the float order, and every NaN's bits are above infinity's, so one unsigned max finds both.
 template <class Ops>
 inline float block_scale(const float* x, int64_t n) {
   using U = typename Ops::U;
-  using V = typename Ops::V;
-  V best = V{};
-  U nan = U{};
+  U best = U{};
   int64_t i = 0;
   for (; i + Ops::kWidth <= n; i += Ops::kWidth) {
-    const V a = __builtin_bit_cast(V, U(__builtin_bit_cast(U, load<V>(x + i)) & 0x7FFFFFFFu));
-    best = a > best ? a : best;
-    nan = a != a ? U{} + 1u : nan;
+    const U bits = U(load<U>(x + i) & 0x7FFFFFFFu);
+    best = bits > best ? bits : best;
   }
-  float result = 0.0f;
-  bool any_nan = false;
-  for (int64_t k = 0; k < Ops::kWidth; ++k) {
-    if constexpr (Ops::kWidth == 1) {
-      result = std::max(result, best);
-      any_nan = any_nan || nan;
-    } else {
-      result = std::max(result, best[k]);
-      any_nan = any_nan || nan[k];
-    }
+  uint32_t top = 0;
+  if constexpr (Ops::kWidth == 1) {
+    top = best;
+  } else {
+    for (int64_t k = 0; k < Ops::kWidth; ++k) top = std::max<uint32_t>(top, best[k]);
   }
-  for (; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    result = std::max(result, a);
-    any_nan = any_nan || a != a;
-  }
-  return any_nan ? __builtin_nanf("") : std::max(result, 1e-12f);
+  for (; i < n; ++i) top = std::max(top, __builtin_bit_cast(uint32_t, x[i]) & 0x7FFFFFFFu);
+  return top > 0x7F800000u ? __builtin_nanf("") : std::max(__builtin_bit_cast(float, top), 1e-12f);
 }
 
 template <class Ops>
@@ -377,7 +391,7 @@ inline void dequantize_block(const uint8_t* codes, float scale, const QCode& q, 
   using U = typename Ops::U;
   int64_t i = 0;
   for (; i + Ops::kWidth <= n; i += Ops::kWidth) {
-    store(x + i, code_values<Ops>(q, convert<U>(load<typename Ops::B>(codes + i))) * scale);
+    store(x + i, code_values<Ops>(q, load_codes<Ops>(codes + i)) * scale);
   }
   for (; i < n; ++i) x[i] = q.values[codes[i]] * scale;
 }
@@ -389,7 +403,7 @@ inline void quantize_block(const float* x, int64_t n, const QCode& q, uint8_t* c
   *scale = s;
   int64_t i = 0;
   for (; i + Ops::kWidth <= n; i += Ops::kWidth) {
-    store(codes + i, convert<typename Ops::B>(quantize_lanes<Ops>(load<typename Ops::V>(x + i) / s, q)));
+    store_codes<Ops>(codes + i, quantize_lanes<Ops>(load<typename Ops::V>(x + i) / s, q));
   }
   for (; i < n; ++i) codes[i] = static_cast<uint8_t>(quantize_lanes<ScalarOps>(x[i] / s, q));
 }
