@@ -6,7 +6,7 @@ moments, and optionally writes a BF16 copy of the params, all in one pass over m
 and rounded back in place, in the same pass, and so are blockwise 8-bit moments (8 bytes per
 parameter; torchao's AdamW8bit format: a byte code per element into bitsandbytes' dynamic-tree
 table, one FP32 absmax per `MOMENT_BLOCK` elements). It is compiled on first use into
-`${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` and loaded with ctypes, which releases the GIL for the
+`${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` (slidedp/native_build.py) and loaded with ctypes, which releases the GIL for the
 call, so the runtime can update one slice while other threads move the next. Without a compiler
 the same math runs in torch ops (`torch._fused_adamw_` and separate casts).
 The same library holds `grad_accumulate`: the host-side gradient sum / accumulation with the sum of
@@ -17,20 +17,16 @@ host bandwidth the update is measured against (slidedp/plan/triad.py).
 """
 
 import ctypes
-import fcntl
 import functools
-import hashlib
 import os
-import platform
-import shutil
 import subprocess
-import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from slidedp.native_build import NativeBuildError, compile_cached
 
 ISA_ENV = "SLIDEDP_CPU_ADAM_ISA"
 NATIVE_ISAS = ("avx512bf16", "avx512", "avx2", "scalar")  # best first
@@ -46,54 +42,13 @@ _CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-ffp-contrac
               "-fno-math-errno", "-Wno-psabi")
 
 
-class _BuildError(RuntimeError):
-    pass
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SLIDEDP_CACHE_DIR") or Path.home() / ".cache" / "slidedp")
-
-
-def _build() -> Path:
-    """Compile the kernel unless a build of this source with this compiler is cached."""
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise _BuildError(f"no C++ compiler: {cxx!r} is not on PATH")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join(
-        [_SOURCE.read_bytes(), version.encode(), " ".join(_CXX_FLAGS).encode(), platform.machine().encode()]
-    )).hexdigest()[:16]
-    cache = _cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"cpu_adam_{key}.so"
-    if target.exists():
-        return target
-    # One process compiles while the others (ranks starting together) wait for it; the build goes
-    # to a temp file renamed into place, so nobody ever loads a half-written library.
-    with open(cache / f"cpu_adam_{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        print(f"slidedp: compiling the CPU Adam kernel {_SOURCE} -> {target}", file=sys.stderr, flush=True)
-        fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{target.stem}.", suffix=".so")
-        os.close(fd)
-        try:
-            result = subprocess.run([cxx, *_CXX_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise _BuildError(f"{cxx} failed:\n{result.stderr[-4000:]}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (with a warning) when it cannot be built or loaded."""
     try:
-        lib = ctypes.CDLL(str(_build()))
-    except (_BuildError, OSError, subprocess.SubprocessError) as e:
+        compiler = os.environ.get("CXX", "g++")
+        lib = ctypes.CDLL(str(compile_cached(_SOURCE, _CXX_FLAGS, "cpu_adam", compiler=compiler, suffix=".so")))
+    except (NativeBuildError, OSError, subprocess.SubprocessError) as e:
         warnings.warn(f"slidedp: CPU Adam kernel unavailable, using the slower torch fallback: {e}",
                       RuntimeWarning, stacklevel=3)
         return None

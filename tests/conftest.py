@@ -10,10 +10,12 @@ Two ways, both importable (`from tests.conftest import run_ranks, run_torchrun`)
 import io
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -24,6 +26,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SESSION_CACHE = ""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's compiled kernels and measured rates go to a folder of its own, removed at
+    the end, never the user's ~/.cache/slidedp (a later `recipes.plan` would read test rates);
+    every child process inherits it. A SLIDEDP_CACHE_DIR set by the caller is kept."""
+    global _SESSION_CACHE
+    if not os.environ.get("SLIDEDP_CACHE_DIR"):
+        _SESSION_CACHE = tempfile.mkdtemp(prefix="slidedp-tests-")
+        os.environ["SLIDEDP_CACHE_DIR"] = _SESSION_CACHE
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_CACHE:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

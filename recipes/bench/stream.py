@@ -1,27 +1,117 @@
 """STREAM triad on the host (slidedp/plan/triad.py), the attainable memory bandwidth a CPU
-update is measured against.
+update is measured against: for each thread count the standalone OpenMP triad
+(csrc/stream_triad.c) with plain and with non-temporal stores, each under STREAM's static
+schedule and under dynamic chunks, the triad on our CPU Adam's
+thread pool, and with --adam our fused AdamW (recipes/bench/cpu_adam.py's workload, 28 bytes per
+parameter) on as many threads, each as the best and the median of --repeats timed runs, and the
+update's best over the best standalone triad's (docs/PERFORMANCE.md rule 8).
 
-    python -m recipes.bench.stream --threads 1,2,4,8,16
+    python -m recipes.bench.stream --threads 8,16 --repeats 10 --adam [--json out.json]
+
+The OpenMP threads are bound OMP_PROC_BIND=close, OMP_PLACES=cores unless the environment sets
+them. Without a C compiler with OpenMP only the pool's triad is printed.
 """
 
 import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
 
-from slidedp.plan.triad import default_elements, triad_gbs
+from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, Workload, _cpu_name
+from slidedp import cpu_adam, native_build
+from slidedp.plan.triad import (TRIAD_BYTES_PER_ELEM, default_elements, last_level_cache_bytes,
+                                openmp_triad_binary, openmp_triads, pool_triad_seconds)
+
+
+def _seconds(fn: Callable[[], None], repeats: int) -> list[float]:
+    fn()  # warm-up: pool threads, page faults
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _best_median(nbytes: float, seconds: list[float]) -> tuple[float, float]:
+    return nbytes / min(seconds) / 1e9, nbytes / statistics.median(seconds) / 1e9
+
+
+def measure(threads: int, *, elements: int, repeats: int, openmp: bool,
+            work: Workload | None) -> dict:
+    """One row: every triad (and the update, given its workload) on `threads` threads."""
+    row: dict = {"threads": threads}
+    if openmp:
+        runs = openmp_triads(elements=elements, threads=threads, repeats=repeats)
+        row["openmp"] = [{"mode": r.mode, "schedule": r.schedule, "best_gbs": r.best_gbs,
+                          "median_gbs": r.median_gbs} for r in runs]
+        row["triad_mode"] = f"{runs[0].mode} {runs[0].schedule}"
+        row["triad_best_gbs"] = runs[0].best_gbs
+    seconds, kernel = pool_triad_seconds(elements=elements, threads=threads, repeats=repeats)
+    row["pool_best_gbs"], row["pool_median_gbs"] = _best_median(elements * TRIAD_BYTES_PER_ELEM, seconds)
+    row["pool_kernel"] = kernel
+    if work is not None:
+        seconds = _seconds(lambda: work.ours(threads), repeats)
+        row["adam_best_gbs"], row["adam_median_gbs"] = _best_median(work.n * ADAM_BYTES_PER_PARAM, seconds)
+        # Rule 8: the same statistic on both sides; the pool's triad where OpenMP is missing.
+        triad_gbs = row.get("triad_best_gbs", row["pool_best_gbs"])
+        row["adam_over_triad"] = row["adam_best_gbs"] / triad_gbs
+    return row
+
+
+def describe(row: dict) -> str:
+    """One printed line: best / median GB/s of each contender."""
+    parts = [f"{row['threads']:3d} threads:"]
+    for r in sorted(row.get("openmp", []), key=lambda r: (r["mode"], r["schedule"])):
+        parts.append(f"openmp {r['mode']} {r['schedule']} {r['best_gbs']:6.1f} / {r['median_gbs']:6.1f}")
+    parts.append(f"pool ({row['pool_kernel']}) {row['pool_best_gbs']:6.1f} / {row['pool_median_gbs']:6.1f}")
+    if "adam_best_gbs" in row:
+        against = f"openmp {row['triad_mode']}" if "triad_mode" in row else "pool"
+        parts.append(f"adam {row['adam_best_gbs']:6.1f} / {row['adam_median_gbs']:6.1f} "
+                     f"= {row['adam_over_triad']:.2f}x the {against} triad")
+    return "  ".join(parts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", default="1", help="comma-separated thread counts")
+    parser.add_argument("--threads", default=str(len(os.sched_getaffinity(0))),
+                        help="comma-separated thread counts (default: every core)")
     parser.add_argument("--elements", type=int, default=0,
                         help="elements per array (0: 4x the last-level caches)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per point (best and median)")
+    parser.add_argument("--adam", action="store_true", help="also time our CPU AdamW on the same threads")
+    parser.add_argument("--params", type=float, default=200e6, help="parameters per update (--adam)")
+    parser.add_argument("--json", help="also write the rows to this path")
     args = parser.parse_args()
     elements = args.elements or default_elements()
-    print(f"STREAM triad, 3 x {elements * 8 / 2**20:.0f} MiB FP64 arrays")
+    try:
+        binary = str(openmp_triad_binary())
+    except native_build.NativeBuildError as e:
+        print(f"no standalone OpenMP triad, the pool's only: {e}")
+        binary = None
+    meta = {"cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)),
+            "last_level_cache_bytes": last_level_cache_bytes(), "elements": elements,
+            "repeats": args.repeats, "openmp_triad": binary,
+            "omp_proc_bind": os.environ.get("OMP_PROC_BIND", "close"),
+            "omp_places": os.environ.get("OMP_PLACES", "cores")}
+    work = None
+    if args.adam:
+        work = Workload(int(args.params))
+        meta.update(params=work.n, isa=cpu_adam.active_isa(), adam_bytes_per_param=ADAM_BYTES_PER_PARAM)
+    print(f"STREAM triad, 3 x {elements * 8 / 2**20:.0f} MiB FP64 arrays, {meta['cores']} cores, "
+          f"GB/s best / median of {args.repeats}"
+          + (f"; CPU AdamW {work.n / 1e6:.0f}M params, ISA {meta['isa']}" if work else ""))
+    rows = []
     for threads in (int(t) for t in args.threads.split(",")):
-        gbs = triad_gbs(elements=elements, threads=threads, repeats=args.repeats)
-        print(f"{threads:3d} threads: {gbs:7.1f} GB/s")
+        rows.append(measure(threads, elements=elements, repeats=args.repeats,
+                            openmp=binary is not None, work=work))
+        print(describe(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from models.args import QwenArgs
+from slidedp.native_build import cache_dir
 from slidedp.activations import BlockCost, Bytes
 
 SHIPPED = Path(__file__).parent / "rates"
@@ -262,7 +263,7 @@ def cache_dir() -> Path:
     ~/.cache/slidedp)."""
     if os.environ.get("SLIDEDP_RATES_DIR"):
         return Path(os.environ["SLIDEDP_RATES_DIR"])
-    return Path(os.environ.get("SLIDEDP_CACHE_DIR") or Path.home() / ".cache" / "slidedp") / "rates"
+    return cache_dir() / "rates"
 
 
 def cache_path(machine: Machine, model: str) -> Path:
