@@ -546,7 +546,7 @@ Q8Fn pick_q8_kernel(int isa, bool param_bf16, bool grad_bf16, bool l2, bool bf16
 // runtime, and a second one in the same process brings a second set of spinning workers that
 // oversubscribe the rank's cores; here idle workers sleep on a condition variable, and each call
 // uses exactly the thread count its caller passes (its share of the host's cores). Workers inherit
-// the affinity of the thread that first needs them.
+// the affinity of the thread that first needs them, unless pinned (slidedp_pin_helpers).
 
 class ThreadPool {
  public:
@@ -602,6 +602,26 @@ class ThreadPool {
   uint64_t generation_ = 0;
 };
 
+// Pins helper i (1 .. n) to cpus[i - 1], or to the caller's own cores where that is -1 (undoing a
+// pin): each helper sets its own affinity inside one job, so the mapping holds for every later
+// call (helpers keep their index); the caller's thread, worker 0, is left as it is. Returns the
+// number of helpers that could not be pinned (a CPU outside the process's allowed set).
+int pin_helpers(ThreadPool& pool, const int* cpus, int n) {
+  cpu_set_t callers;
+  if (pthread_getaffinity_np(pthread_self(), sizeof(callers), &callers) != 0) return n;
+  std::atomic<int> failed{0};
+  pool.run(n + 1, [&](int index) {
+    if (index == 0) return;
+    cpu_set_t set = callers;
+    if (cpus[index - 1] >= 0) {
+      CPU_ZERO(&set);
+      CPU_SET(cpus[index - 1], &set);
+    }
+    if (pthread_setaffinity_np(pthread_self(), sizeof(set), &set) != 0) ++failed;
+  });
+  return failed.load();
+}
+
 // Never destroyed: workers are detached and may sleep until the process exits. A forked child has
 // none of the parent's threads (and maybe a locked mutex), so it starts a fresh pool.
 ThreadPool* g_pool = [] {
@@ -624,6 +644,9 @@ int workers(int num_threads, int64_t num_blocks) {
 extern "C" {
 
 int slidedp_cpu_adam_isa_supported(int isa) { return isa_supported(isa); }
+
+// Pins the pool's helpers 1 .. n to cpus[0 .. n-1] (slidedp/affinity.py); returns how many failed.
+int slidedp_pin_helpers(const int* cpus, int n) { return n > 0 ? pin_helpers(*g_pool, cpus, n) : 0; }
 
 // Codes of the moments' format, shared with slidedp/cpu_adam.py.
 enum MomentFormat : int { kMomentsF32 = 0, kMomentsBf16 = 1, kMoments8bit = 2 };

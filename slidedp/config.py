@@ -52,6 +52,10 @@ class SlideDPConfig:
     """Shorthand: the first N blocks keep (before activation_blocks applies)."""
     cpu_threads: Annotated[int, at_least(0)] = 0
     """CPU Adam threads per rank; 0 = this rank's share of the host's cores."""
+    pin_threads: bool = False
+    """Pin this rank's threads to its share of the cores, one NUMA node's where the host has
+    several: the delivery thread and each CPU Adam worker to a core of their own
+    (slidedp/affinity.py); off: the OS scheduler places them."""
     update_order: UpdateOrderName = "arrival"
     """Which runnable update runs first: "arrival" (as the gradients came home, each update as
     early as possible) or "next_use" (the unit the next step needs first)."""

@@ -68,6 +68,8 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int, ctypes.c_double, ctypes.c_int,  # adamw, grad_scale, num_threads
     ]
     lib.slidedp_cpu_adam_update.restype = ctypes.c_int
+    lib.slidedp_pin_helpers.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.slidedp_pin_helpers.restype = ctypes.c_int
     lib.slidedp_grad_accumulate.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,  # acc, src, src_is_bf16, n
         ctypes.c_int, ctypes.c_int, ctypes.c_int,  # assign, want_sumsq, num_threads
@@ -168,6 +170,19 @@ def quantize_thresholds(*, signed: bool) -> Tensor:
 def moment_scales(n: int) -> int:
     """FP32 scales of `n` elements of 8-bit moments (a partial last block has its own)."""
     return -(-n // MOMENT_BLOCK)
+
+
+def pin_helpers(cpus: list[int]) -> None:
+    """Pin the kernel's pool helpers 1 .. len(cpus) to `cpus`, one each (slidedp/affinity.py), or
+    to the calling thread's own cores where an entry is -1 (undoing a pin); the calling thread,
+    worker 0 of every call it makes, stays as it is. Nothing on the torch fallback, which runs on
+    torch's threads."""
+    lib = _library()
+    if lib is None or not cpus or active_isa() == TORCH_ISA:
+        return
+    failed = lib.slidedp_pin_helpers((ctypes.c_int * len(cpus))(*cpus), len(cpus))
+    if failed:
+        raise RuntimeError(f"pin_helpers: {failed} of {len(cpus)} helpers could not be pinned to {cpus}")
 
 
 def _check(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], numel: int, *, fn: str = "adam_update") -> None:

@@ -65,7 +65,7 @@ from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
 from protocols.backend import Batch, StepResult
 from protocols.bounds import check_field
 from protocols.reconfigure import Knobs
-from slidedp import cpu_adam
+from slidedp import affinity, cpu_adam
 from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Offloader,
                                  WeightRefs, block_input, block_policies, describe_costs,
                                  measure_costs, offload_bytes)
@@ -210,6 +210,9 @@ class SlideDPBackend:
                                              initializer=self.streams.bind_thread)
         self._updater = ThreadPoolExecutor(1, thread_name_prefix="slidedp-update",
                                            initializer=self.streams.bind_thread)
+        self._pinned = cfg.pin_threads
+        if self._pinned:
+            self._pin_threads(threads)
         # A failed job stops every wait of this rank (version gates included), so nothing hangs.
         self._queue = UpdateQueue(self._updater, UPDATE_ORDERS[cfg.update_order],
                                   on_failure=self.state.aborted.set)
@@ -311,6 +314,19 @@ class SlideDPBackend:
         the updates still queued simply follow it."""
         self._drain()
         self.optimizer.threads = self.grad_return.threads = threads or self._default_threads()
+        if self._pinned:
+            self._pin_threads(self.optimizer.threads)
+
+    def _pin_threads(self, update_threads: int) -> None:
+        """slidedp.pin_threads: this rank's threads on its share of the cores (slidedp/affinity.py),
+        each runtime thread pinned from inside itself."""
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank % self.local_world))
+        where = affinity.placement(affinity.rank_cores(local_rank, self.local_world),
+                                   update_threads=update_threads)
+        self._deliverer.submit(affinity.pin_this_thread, where.deliver).result()
+        self._updater.submit(affinity.pin_this_thread, where.update).result()
+        self._updater.submit(cpu_adam.pin_helpers, list(where.helpers)).result()
+        affinity.pin_this_thread(where.compute)
 
     def _default_threads(self) -> int:
         # A sole owner (rank 0) runs every update: the host's cores are its alone.

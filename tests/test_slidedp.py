@@ -190,7 +190,7 @@ CASES["test_two_ranks_clipping_without_accumulation"] = Case(
          "chunk_mib": ODD_CHUNK},
         {"delivery": "sharded", "reduction": "cpu", "bf16_shadow": False},
         {"delivery": "sharded", "reduction": "gpu", "moments_dtype": "bfloat16"},
-        {"delivery": "sharded", "reduction": "cpu", "moments_dtype": "8bit"}])
+        {"delivery": "sharded", "reduction": "cpu", "moments_dtype": "8bit", "pin_threads": True}])
 
 
 def test_two_ranks_clipping_without_accumulation(request, slidedp_runs):
@@ -198,7 +198,7 @@ def test_two_ranks_clipping_without_accumulation(request, slidedp_runs):
     # sum) and the BF16 gradients wait on the host for the clipped update, which runs after the
     # step: in the shadow, in the BF16 gradient buffer without one, or (cpu route) in the
     # staging copies, summed again. BF16 moments (10 B/param) and 8-bit ones (the last two
-    # variants) train as single does to the same bounds.
+    # variants, the last with its threads pinned) train as single does to the same bounds.
     case, results = slidedp_runs(request.node.name)
     ref_losses, ref_weights = single_reference(world=2, **case.kw)
     assert_matches_reference(results, ref_losses, ref_weights)

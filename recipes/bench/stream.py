@@ -4,7 +4,8 @@ update is measured against: for each thread count the standalone OpenMP triad
 schedule and under dynamic chunks, the triad on our CPU Adam's
 thread pool, and with --adam our fused AdamW (recipes/bench/cpu_adam.py's workload, 28 bytes per
 parameter) on as many threads, each as the best and the median of --repeats timed runs, and the
-update's best over the best standalone triad's (docs/PERFORMANCE.md rule 8).
+update's best over the best standalone triad's (docs/PERFORMANCE.md rule 8), and the update
+again with its helpers pinned one per core (slidedp.pin_threads).
 
     python -m recipes.bench.stream --threads 8,16 --repeats 10 --adam [--json out.json]
 
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, Workload, _cpu_name
-from slidedp import cpu_adam, native_build
+from slidedp import affinity, cpu_adam, native_build
 from slidedp.plan.triad import (TRIAD_BYTES_PER_ELEM, default_elements, last_level_cache_bytes,
                                 openmp_triad_binary, openmp_triads, pool_triad_seconds)
 
@@ -58,6 +59,14 @@ def measure(threads: int, *, elements: int, repeats: int, openmp: bool,
         # Rule 8: the same statistic on both sides; the pool's triad where OpenMP is missing.
         triad_gbs = row.get("triad_best_gbs", row["pool_best_gbs"])
         row["adam_over_triad"] = row["adam_best_gbs"] / triad_gbs
+        # The same update with each helper pinned to a core (slidedp.pin_threads; this thread
+        # stays on every core), unpinned again for the next row.
+        where = affinity.placement(sorted(os.sched_getaffinity(0)), update_threads=threads)
+        cpu_adam.pin_helpers(list(where.helpers))
+        seconds = _seconds(lambda: work.ours(threads), repeats)
+        cpu_adam.pin_helpers([-1] * len(where.helpers))
+        row["adam_pinned_best_gbs"], row["adam_pinned_median_gbs"] = _best_median(
+            work.n * ADAM_BYTES_PER_PARAM, seconds)
     return row
 
 
@@ -70,7 +79,8 @@ def describe(row: dict) -> str:
     if "adam_best_gbs" in row:
         against = f"openmp {row['triad_mode']}" if "triad_mode" in row else "pool"
         parts.append(f"adam {row['adam_best_gbs']:6.1f} / {row['adam_median_gbs']:6.1f} "
-                     f"= {row['adam_over_triad']:.2f}x the {against} triad")
+                     f"= {row['adam_over_triad']:.2f}x the {against} triad; pinned "
+                     f"{row['adam_pinned_best_gbs']:6.1f} / {row['adam_pinned_median_gbs']:6.1f}")
     return "  ".join(parts)
 
 
