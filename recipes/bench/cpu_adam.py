@@ -38,14 +38,20 @@ BF16_MOMENTS_BYTES_PER_PARAM = 20  # read + write p (8), bf16 m, v (8); bf16 g i
 MOMENTS_8BIT_BYTES_PER_PARAM = 16  # read + write p (8), m, v codes (4); bf16 g in (2), bf16 p out (2)
 
 
-def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up: pool threads, page faults
+def timed_runs(fn: Callable[[], None], repeats: int) -> list[float]:
+    """The seconds of each of `repeats` calls of `fn`, after one warm-up (pool threads, page
+    faults)."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    return statistics.median(timed_runs(fn, repeats))
 
 
 class Workload:

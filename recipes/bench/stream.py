@@ -17,23 +17,11 @@ import argparse
 import json
 import os
 import statistics
-import time
-from collections.abc import Callable
 
-from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, Workload, _cpu_name
+from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, Workload, _cpu_name, timed_runs
 from slidedp import affinity, cpu_adam, native_build
 from slidedp.plan.triad import (TRIAD_BYTES_PER_ELEM, default_elements, last_level_cache_bytes,
                                 openmp_triad_binary, openmp_triads, pool_triad_seconds)
-
-
-def _seconds(fn: Callable[[], None], repeats: int) -> list[float]:
-    fn()  # warm-up: pool threads, page faults
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def _best_median(nbytes: float, seconds: list[float]) -> tuple[float, float]:
@@ -54,7 +42,7 @@ def measure(threads: int, *, elements: int, repeats: int, openmp: bool,
     row["pool_best_gbs"], row["pool_median_gbs"] = _best_median(elements * TRIAD_BYTES_PER_ELEM, seconds)
     row["pool_kernel"] = kernel
     if work is not None:
-        seconds = _seconds(lambda: work.ours(threads), repeats)
+        seconds = timed_runs(lambda: work.ours(threads), repeats)
         row["adam_best_gbs"], row["adam_median_gbs"] = _best_median(work.n * ADAM_BYTES_PER_PARAM, seconds)
         # Rule 8: the same statistic on both sides; the pool's triad where OpenMP is missing.
         triad_gbs = row.get("triad_best_gbs", row["pool_best_gbs"])
@@ -63,7 +51,7 @@ def measure(threads: int, *, elements: int, repeats: int, openmp: bool,
         # stays on every core), unpinned again for the next row.
         where = affinity.placement(sorted(os.sched_getaffinity(0)), update_threads=threads)
         cpu_adam.pin_helpers(list(where.helpers))
-        seconds = _seconds(lambda: work.ours(threads), repeats)
+        seconds = timed_runs(lambda: work.ours(threads), repeats)
         cpu_adam.pin_helpers([-1] * len(where.helpers))
         row["adam_pinned_best_gbs"], row["adam_pinned_median_gbs"] = _best_median(
             work.n * ADAM_BYTES_PER_PARAM, seconds)
