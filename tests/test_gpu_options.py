@@ -70,6 +70,8 @@ OPTIONS = [
            max_norm=0.0),
     # BF16 moments on the host, the embedding's streamed to the GPU and rounded home each step.
     Option("bf16-moments", {"moments_dtype": "bfloat16", "embedding_update": "gpu"}),
+    # 8-bit moments, every thread pinned to a core.
+    Option("8bit-moments-pinned", {"moments_dtype": "8bit", "pin_threads": True}),
     Option("next-use", {"update_order": "next_use"}),
     Option("slideformer", {"runtime": "slideformer"}),
     Option("megatrain", {"runtime": "megatrain"}, bf16_master=True),
