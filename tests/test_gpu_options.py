@@ -40,6 +40,9 @@ class Option:
     """YaRN x8 over 512 original positions, so that the 1,024-token batches reach past them."""
     bf16_master: bool = False
     """The runtime keeps BF16 master weights (MegaTrain's style): looser weight bounds."""
+    max_lr_per_step: float = 2.0
+    """How far one step may move the weight that differs most, in lr (the typical element is held
+    to the mean bound either way)."""
 
 
 OPTIONS = [
@@ -70,8 +73,10 @@ OPTIONS = [
            max_norm=0.0),
     # BF16 moments on the host, the embedding's streamed to the GPU and rounded home each step.
     Option("bf16-moments", {"moments_dtype": "bfloat16", "embedding_update": "gpu"}),
-    # 8-bit moments, every thread pinned to a core.
-    Option("8bit-moments-pinned", {"moments_dtype": "8bit", "pin_threads": True}),
+    # 8-bit moments, every thread pinned to a core. A small element's exp_avg_sq can code below its
+    # value (the dynamic-tree table's low codes are far apart, its lowest is 0), so its step
+    # m / sqrt(v) can exceed the 1 of exact moments: a few elements move several lr a step.
+    Option("8bit-moments-pinned", {"moments_dtype": "8bit", "pin_threads": True}, max_lr_per_step=16.0),
     Option("next-use", {"update_order": "next_use"}),
     Option("slideformer", {"runtime": "slideformer"}),
     Option("megatrain", {"runtime": "megatrain"}, bf16_master=True),
@@ -136,6 +141,6 @@ def test_option_trains_as_single_on_the_gpu(option: Option):
     print(f"{option.name}: weight diff max {diff.max():.3g} mean {diff.mean():.3g}")
     ulp = max(float(w.abs().max()) for w in ref_weights.values()) * 2.0**-9 \
         if option.bf16_master else 0.0
-    assert diff.max() <= STEPS * (2 * LR + ulp), diff.max()
+    assert diff.max() <= STEPS * (option.max_lr_per_step * LR + ulp), diff.max()
     assert diff.mean() <= (0.5 if option.bf16_master else 0.1) * STEPS * LR, diff.mean()
 

@@ -9,6 +9,7 @@ into docs/results/<name>/ (or --out-dir), with the paper's corresponding figure 
     cpu_adam_scaling   the CPU Adam update against cores, beside a STREAM triad of the host
     long_context       one long sequence per step against its length
     activation_policy  activation policies against GPU memory and throughput
+    moments_curve      200-step loss curves with BF16 and 8-bit host moments against FP32 ones
 
     python -m recipes.reproduce.<name> [--help]     # on every GPU found
     python -m recipes.reproduce.<name> --tiny       # the CPU-sized run the tests make

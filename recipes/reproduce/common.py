@@ -174,7 +174,7 @@ class Runner:
         """--nproc, else every GPU, else `default_cpu` CPU ranks."""
         return self.args.nproc or self.gpus or default_cpu
 
-    def _env(self, nproc: int) -> dict[str, str]:
+    def env(self, nproc: int) -> dict[str, str]:
         cores = len(os.sched_getaffinity(0))
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         # As run_train.sh and recipes/bench/suite.py: each rank's share of the cores, and NVLink
@@ -193,7 +193,7 @@ class Runner:
                   "--warmup", str(a.warmup)] if common else []
         bench = ["-m", "recipes.bench.throughput", *shared, *flags, "--label", label,
                  "--no-memory-check", "--out", str(self.jsonl)]
-        env = self._env(nproc)
+        env = self.env(nproc)
         if nproc == 1:  # one process, no launcher (seconds less per point): its own group
             cmd = [sys.executable, *bench]
         else:

@@ -14,15 +14,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers.trainers import BpeTrainer
+from tokenizers import Tokenizer
+
+from recipes.bpe import train_bpe
 
 TINY_DIR = Path(__file__).resolve().parent / "tiny"
 VOCAB_SIZE = 512
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# Qwen2/Qwen3's pre-tokenizer split: digits one by one, so arithmetic stays learnable.
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_DOCS = 700
 NUM_CHATS = 500
 PARQUET_ROW_GROUP = 128  # several row groups, so the reader's row-group path is exercised
@@ -91,20 +88,8 @@ def make_chats(rng: random.Random) -> list[list[dict[str, str]]]:
 
 
 def train_tokenizer(texts: list[str]) -> Tokenizer:
-    """Byte-level BPE laid out like Qwen's: NFC, regex split, byte-level; specials appended last."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = BpeTrainer(vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS), show_progress=False,
-                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t in SPECIAL_TOKENS])
-    return tokenizer
+    """The assets' byte-level BPE, laid out like Qwen's (recipes/bpe.py)."""
+    return train_bpe(texts, vocab_size=VOCAB_SIZE)
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
