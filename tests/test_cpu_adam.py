@@ -14,12 +14,8 @@ the assertion names the tensor and the first element that differs.)
 """
 
 import multiprocessing
-import os
 import re
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -496,17 +492,3 @@ def test_fallback_without_compiler(fresh_build_state, monkeypatch, tmp_path):
     assert cpu_adam.active_isa() == cpu_adam.TORCH_ISA
     _assert_matches_torch(1023, grad_dtype=torch.bfloat16, adamw=True, weight_decay=0.1, betas=(0.9, 0.95),
                           scale=0.5, seed=0)
-
-
-def test_concurrent_first_build(tmp_path):
-    """Ranks starting together: one compiles, the others wait for it and load the same library."""
-    env = {**os.environ, "SLIDEDP_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[1])}
-    env.pop(cpu_adam.ISA_ENV, None)
-    code = "from slidedp import cpu_adam; print(cpu_adam.active_isa())"
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
-    assert {out.strip() for out, _ in outputs} == {cpu_adam.available_isas()[0]}
-    assert sum("compiling" in err for _, err in outputs) == 1
-    assert len(list(tmp_path.glob("*.so"))) == 1

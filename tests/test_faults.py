@@ -268,9 +268,9 @@ def test_a_killed_rank_ends_the_other_and_the_run_resumes_exactly(tmp_path, laun
 
 
 def _isolated_env(tmp_path: Path, ngpu: int) -> dict[str, str]:
-    """run_train.sh's environment for NGPU=ngpu, with SlideDP's caches under tmp_path."""
-    return subprocess_env(NGPU=str(ngpu), SLIDEDP_CACHE_DIR=str(tmp_path / "cache"),
-                          SLIDEDP_RATES_DIR=str(tmp_path / "rates"))
+    """run_train.sh's environment for NGPU=ngpu, with measured rates under tmp_path (the
+    compiled kernels stay in the suite's cache, tests/conftest.py)."""
+    return subprocess_env(NGPU=str(ngpu), SLIDEDP_RATES_DIR=str(tmp_path / "rates"))
 
 
 def test_a_folder_in_use_is_one_line_and_exit_code_2_with_two_ranks(tmp_path):

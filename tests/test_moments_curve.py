@@ -23,7 +23,7 @@ def test_bfloat16_moments_follow_the_float32_curve(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "recipes.reproduce.moments_curve", "--tiny",
                            "--dtypes", "float32,bfloat16", "--out-dir", str(out)], cwd=REPO,
-                          env=subprocess_env(SLIDEDP_CACHE_DIR=str(tmp_path / "cache")),
+                          env=subprocess_env(),  # the suite's own cache (tests/conftest.py)
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "moments_curve.csv") as f:
