@@ -27,7 +27,7 @@ from recipes.config import ConfigError, parse_config, resolve_model
 from recipes.preflight import device_memory
 from slidedp.plan.predict import compute_dtype, policies_of
 from slidedp.plan.probe import probe
-from slidedp.plan.rates import Rates, load_rates
+from slidedp.plan.rates import MissingRate, Rates, load_rates
 from slidedp.plan.report import Job, plan_text, search_offline
 from slidedp.plan.search import candidates_of
 
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
               flush=True)
         if ours.search:
             print("\n".join(search_offline(job, rates, world=world, out=ours.out)), flush=True)
-    except PlanError as e:
+    except (PlanError, MissingRate) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -159,6 +159,15 @@ def test_plan_errors_are_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip() == "error: slidedp.window_slots must be >= 2, got 1"
 
 
+def test_a_rate_the_file_lacks_is_one_line(capsys):
+    """The shipped rates hold no 8-bit AdamW rate (only the probe measures it): said, not raised."""
+    from recipes.plan import main
+
+    assert main(["train_configs/h200_qwen3_8b_slidedp.toml", "--slidedp.moments_dtype=8bit",
+                 "--rates=h200"]) == 2
+    assert capsys.readouterr().err.startswith("error: rates of 1 x NVIDIA H200")
+
+
 def test_the_cache_is_keyed_by_model_and_kernels():
     from models.flavors import FLAVORS
 

@@ -31,6 +31,13 @@ SCHEMA = 1
 """Version of the file format."""
 
 
+class MissingRate(KeyError):
+    """The rates lack a figure the plan needs (said in one line by `python -m recipes.plan`)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 @dataclass(frozen=True)
 class Machine:
     """What the rates were taken on."""
@@ -157,8 +164,9 @@ class Rates:
     def adam_8bit(self, threads: int) -> float:
         """AdamW parameters per second with 8-bit moments, with `threads` threads."""
         if not self.adam_8bit_gparams:
-            raise KeyError(f"rates of {self.machine.name}: no 8-bit AdamW rate measured (re-run "
-                           "`python -m recipes.probe` on this machine)")
+            raise MissingRate(f"rates of {self.machine.name}: no 8-bit AdamW rate measured "
+                              "(slidedp.moments_dtype = \"8bit\"; `python -m recipes.probe` on "
+                              "that machine measures it)")
         return by_threads(self.adam_8bit_gparams, threads) * 1e9
 
     def grad_sum(self, threads: int) -> float:
@@ -173,7 +181,7 @@ class Rates:
         """The effective rate of the FLOP model for `flavor` on `kernels`."""
         rate = self.gpu_tflops.get(f"{flavor}/{kernels}", self.gpu_tflops.get(kernels))
         if rate is None:
-            raise KeyError(f"rates of {self.machine.name}: no GPU rate for {flavor} on the "
+            raise MissingRate(f"rates of {self.machine.name}: no GPU rate for {flavor} on the "
                            f"{kernels} kernels (gpu_tflops has {', '.join(self.gpu_tflops)})")
         return rate
 
