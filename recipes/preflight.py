@@ -24,6 +24,7 @@ from recipes.checkpoint import FORMAT_VERSION, read_meta
 from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, resolve_resume_dir
 from models.kernels import resolve_kernels
 from slidedp.gpu_update import check_gpu_updates
+from slidedp.speculative import check_speculative
 from recipes.baselines.memory import baseline_footprint
 from slidedp.plan.memory import (REFUSE_ABOVE, Kernel, MemoryEstimate, estimate_device_memory,
                                  estimate_memory)
@@ -69,6 +70,8 @@ def check_mode_options(config: JobConfig, args: QwenArgs, *, world: int) -> None
         try:
             check_gpu_updates(config.slidedp, grad_accum_steps=config.training.grad_accum_steps,
                               n_layers=args.n_layers, world=world)
+            check_speculative(config.slidedp, grad_accum_steps=config.training.grad_accum_steps,
+                              n_layers=args.n_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if mode != "deepspeed":

@@ -56,6 +56,11 @@ class SlideDPConfig:
     """Pin this rank's threads to its share of the cores, one NUMA node's where the host has
     several: the delivery thread and each CPU Adam worker to a core of their own
     (slidedp/affinity.py); off: the OS scheduler places them."""
+    speculative_update: bool = False
+    """With clipping or the non-finite guard, update each unit as its gradient comes home as if
+    nothing clipped, and redo it scaled once the step's norm says it clips (slidedp/speculative.py):
+    exact, at the cost of the optimizer state once more in host memory and a copy per update.
+    One micro-batch, reduction = "gpu", every update on the host."""
     update_order: UpdateOrderName = "arrival"
     """Which runnable update runs first: "arrival" (as the gradients came home, each update as
     early as possible) or "next_use" (the unit the next step needs first)."""

@@ -66,6 +66,7 @@ from protocols.backend import Batch, StepResult
 from protocols.bounds import check_field
 from protocols.reconfigure import Knobs
 from slidedp import affinity, cpu_adam
+from slidedp import speculative as speculative_state
 from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Offloader,
                                  WeightRefs, block_input, block_policies, describe_costs,
                                  measure_costs, offload_bytes)
@@ -79,6 +80,7 @@ from slidedp.layout import StateLayout, Unit, chunk_elems
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.save_gate import SaveGate
 from slidedp.schedule import Use, plan_micro_batch
+from slidedp.speculative import check_speculative
 from slidedp.state_file import load_shards, read_master, save_shards
 from slidedp.streams import Streams
 from slidedp.traffic import Traffic
@@ -141,6 +143,7 @@ class SlideDPBackend:
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
         check_gpu_updates(cfg, grad_accum_steps=tr.grad_accum_steps, n_layers=model_args.n_layers,
                           world=dp_world)
+        check_speculative(cfg, grad_accum_steps=tr.grad_accum_steps, n_layers=model_args.n_layers)
         needs = dict(grad_accum_steps=tr.grad_accum_steps, max_norm=tr.max_norm,
                      nonfinite=tr.nonfinite)
         plan = HostStatePlan.for_run(cfg, **needs)
@@ -220,6 +223,7 @@ class SlideDPBackend:
         # The current step's gradient returns, and the last one of each unit (by index).
         self._returns: list[Future] = []
         self._returned: dict[int, Future] = {}
+        self._speculated: dict[int, Future] = {}  # this step's speculative updates, by unit
         self._last_release: dict[int, Future | None] = {b: None for b in range(len(self.buffers))}
         self._resident: dict[int, int] = {}
         # The current micro-batch's runtime state, by use: resolved by the compute thread with the
@@ -528,14 +532,18 @@ class SlideDPBackend:
         if micro < n_micro - 1:
             return
         self._returned[unit.index] = returned
-        # Runnable once the gradient is home (the GPU's update runs in its return job).
-        if not self.deferred and hold != "none" and not self._updated_on_gpu(unit):
-            self._queue_update(unit, hold, returned, coef=1.0, skip=False, **step)
+        # Runnable once the gradient is home (the GPU's update runs in its return job);
+        # speculative ones too, their gates left closed until the step's norm is known.
+        speculate = self.state.plan.redo
+        if (not self.deferred or speculate) and hold != "none" and not self._updated_on_gpu(unit):
+            self._speculated[unit.index] = self._queue_update(
+                unit, hold, returned, coef=1.0, skip=False, speculative=speculate, **step)
 
-    def _queue_update(self, unit: Unit, hold: Hold, returned: Future, **kw) -> None:
+    def _queue_update(self, unit: Unit, hold: Hold, returned: Future, **kw) -> Future:
         job = partial(self._update_job, self.grad_return, unit, hold, returned, **kw)
-        self._pending.append(self._queue.add_update(unit.index, job, after=returned,
-                                                    first=self._updated_on_gpu(unit)))
+        done = self._queue.add_update(unit.index, job, after=returned, first=self._updated_on_gpu(unit))
+        self._pending.append(done)
+        return done
 
     def _return_job(self, route: GradientReturn, unit: Unit, flat: torch.Tensor, ready,
                     token: int, *, micro: int, n_micro: int, hold: Hold, lr: float,
@@ -583,11 +591,17 @@ class SlideDPBackend:
 
     def _update_job(self, route: GradientReturn, unit: Unit, hold: Hold, returned: Future, *,
                     coef: float | GradScale, skip: bool, lr: float, adam_step: int,
-                    version: int, tail: _UpdateTail) -> None:
+                    version: int, tail: _UpdateTail, speculative: bool = False) -> None:
         """The unit's update from where its gradient waited (scaled by `coef`, a GradScale for
         a unit updated on the GPU only); a skipped step's only restores what held the gradient
-        and opens the version gate."""
+        and opens the version gate. A speculative one keeps the state it starts from and leaves
+        the gate to `_settle_job`."""
         held = returned.result()
+        if speculative:
+            speculative_state.keep(self.state, unit)
+            self._update(unit, self._held_grads(unit, hold, route, held), coef=1.0, lr=lr,
+                         adam_step=adam_step, version=version, tail=tail, open_gate=False)
+            return
         if self._updated_on_gpu(unit):
             if skip:
                 self.gpu_updates[unit.index].drop()
@@ -625,13 +639,36 @@ class SlideDPBackend:
 
     def _update(self, unit: Unit, grads: Iterable[tuple[int, int, torch.Tensor]], *,
                 coef: float, lr: float, adam_step: int, version: int,
-                tail: _UpdateTail) -> None:
+                tail: _UpdateTail, open_gate: bool = True) -> None:
         """AdamW on this rank's shard of the unit, chunk by chunk, then its version gate."""
         self._wait_save(unit, version)
         with self._timed("clipped_update_s" if self.deferred else "update_s"):
             for lo, hi, g in grads:
                 self.optimizer.update(unit.host_offset + lo, unit.host_offset + hi, g,
                                       step=adam_step, lr=lr, grad_scale=coef)
+        if open_gate:
+            self._set_version(unit, version, tail)
+
+    def _settle_job(self, route: GradientReturn, unit: Unit, hold: Hold, returned: Future, *,
+                    coef: float, skip: bool, lr: float, adam_step: int, version: int,
+                    tail: _UpdateTail) -> None:
+        """After the unit's speculative update, once the step's norm is known: it stands
+        (coefficient 1, a finite step), or the state is restored and the update redone scaled,
+        or not at all for a skipped step (the shadow rounded again from the restored master);
+        then the version gate opens."""
+        if coef == 1.0 and not skip:
+            self._set_version(unit, version, tail)
+            return
+        with self._timed("redo_s"):
+            speculative_state.restore(self.state, unit)
+        if not skip:
+            self._update(unit, self._held_grads(unit, hold, route, returned.result()), coef=coef,
+                         lr=lr, adam_step=adam_step, version=version, tail=tail)
+            return
+        if self.state.plan.bf16_shadow:
+            lo, hi = unit.shard(self.rank, self.world)
+            self.state.unit_view("shadow", unit.index, lo, hi).copy_(
+                self.state.unit_view("master", unit.index, lo, hi))
         self._set_version(unit, version, tail)
 
     def _updated_on_gpu(self, unit: Unit) -> bool:
@@ -790,7 +827,7 @@ class SlideDPBackend:
         offload = [p.offload for p in self.policies]
         tail = _UpdateTail(len(self.layout.units))
         self._tails.append(tail)
-        self._returns, self._returned = [], {}
+        self._returns, self._returned, self._speculated = [], {}, {}
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro, (tokens, labels) in enumerate(micro_batches):
             self._token += 1
@@ -841,11 +878,21 @@ class SlideDPBackend:
             # Skipped: nothing is updated, the next step may read every unit.
             coef = min(1.0, self.max_norm / (grad_norm + 1e-6)) if self.max_norm > 0 else 1.0
             for unit in self.layout.units:
-                self._queue_update(unit, hold, self._returned[unit.index], coef=coef,
-                                   skip=skipped, **step)
+                if unit.index in self._speculated:
+                    job = partial(self._settle_job, self.grad_return, unit, hold,
+                                  self._returned[unit.index], coef=coef, skip=skipped, **step)
+                    self._pending.append(self._queue.add_update(
+                        unit.index, job, after=self._speculated[unit.index]))
+                else:
+                    self._queue_update(unit, hold, self._returned[unit.index], coef=coef,
+                                       skip=skipped, **step)
+            if self._speculated:  # how often speculation pays: the redo rate
+                redo = float(coef != 1.0 or skipped)
         if self.style.update_after_backward:  # none overlaps the next step
             self._drain()
         extra = self.traffic.take()
+        if self._speculated and self.deferred and device_totals is None:
+            extra["speculative_redo"] = redo
         extra.update(update_wait_s=t_returned - t_compute, **self._finished_tail(),
                      **self._host_times_since_last_step())
         return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, extra=extra, skipped=skipped)

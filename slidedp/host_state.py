@@ -26,6 +26,9 @@ Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_A
   staging bf16 x world                            2*R bytes/param, only for reduction="cpu"
                                                   (every rank returns its full gradient; it also
                                                   holds a deferred step's gradients)
+  redo_* (as their regions)                       the optimizer state once more, only for
+                                                  slidedp.speculative_update (slidedp/speculative.py;
+                                                  with the bf16 grad buffer beside the shadow)
   control int64                                   per-unit version / ready / consumed counters
 """
 
@@ -48,6 +51,8 @@ from slidedp.streams import register_host, unregister_host
 
 _CONTROL_FIELDS = ("version", "ready", "consumed")
 MOMENT_SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
+REDO_PREFIX = "redo_"
+"""The speculative updates' copy of a state region (slidedp/speculative.py)."""
 """The scale region of each 8-bit moment region: one FP32 per MOMENT_BLOCK elements."""
 assert SHARD_ALIGN % MOMENT_BLOCK == 0  # no rank's shard or chunk splits a block of scales
 
@@ -87,6 +92,9 @@ class HostStatePlan:
     """The master weights are BF16 (slidedp.runtime = "megatrain"): 2 bytes/param, not 4."""
     grad_lock: bool = False
     """The ranks add their gradients into `grad_accum` under one host lock (reduction="locked")."""
+    redo: bool = False
+    """Speculative updates (slidedp.speculative_update, when updates are deferred): a copy of
+    the optimizer state to redo an update from, and the gradients in `grad_bf16`."""
     moments: MomentsDtype = "float32"
     """The Adam moments' format (slidedp.moments_dtype): 8, 4 (BF16) or 2 (8-bit, plus a scale
     per 128) bytes/param."""
@@ -105,9 +113,11 @@ class HostStatePlan:
         deferred = updates_deferred(max_norm=max_norm, nonfinite=nonfinite, reduction=cfg.reduction)
         accumulate = grad_accum_steps > 1
         locked = cfg.reduction == "locked"
+        redo = deferred and cfg.speculative_update
         return cls(bf16_shadow=cfg.bf16_shadow,
-                   grad_bf16=(deferred and not accumulate and not cfg.bf16_shadow
+                   grad_bf16=(deferred and not accumulate and (redo or not cfg.bf16_shadow)
                               and cfg.reduction == "gpu"),
+                   redo=redo,
                    grad_accum=accumulate or locked, cpu_staging=cfg.reduction == "cpu",
                    bf16_master=style.bf16_master, grad_lock=locked,
                    moments=cfg.moments_dtype)
@@ -125,6 +135,11 @@ class HostStatePlan:
                 raise ValueError(f"SlideDP: {n_micro} micro-batches per step need the FP32 "
                                  "accumulation buffer: start with training.grad_accum_steps > 1")
             return "grad_accum"
+        if self.redo:  # the shadow takes the speculative update's weights
+            if reduction != "gpu" or not self.grad_bf16:
+                raise ValueError('SlideDP: speculative updates need slidedp.reduction = "gpu" and '
+                                 "one micro-batch per step")
+            return "grad_bf16"
         if reduction == "cpu":
             return "staging" if deferred else "none"
         # BF16 as reduced; the shadow's unit is not read again before the unit's update.
@@ -150,6 +165,7 @@ class HostStatePlan:
         optional = ((self.bf16_shadow, "bf16 shadow"), (self.grad_bf16, "bf16 grad buffer"),
                     (self.grad_accum and not self.grad_lock, "fp32 grad buffer"),
                     (self.grad_lock, "one locked fp32 grad sum"),
+                  (self.redo, "redo copy of the state"),
                     (self.cpu_staging, "per-rank grad staging"))
         moments = {"float32": "fp32", "bfloat16": "bf16", "8bit": "8-bit"}[self.moments]
         master = f"{'bf16' if self.bf16_master else 'fp32'} master+{moments} moments"
@@ -172,6 +188,9 @@ def _region_sizes(layout: StateLayout, plan: HostStatePlan) -> list[tuple[str, t
         regions.append(("grad_accum", torch.float32, n))
     if plan.cpu_staging:
         regions.append(("staging", torch.bfloat16, n * world))
+    if plan.redo:
+        regions += [(REDO_PREFIX + name, dtype, numel) for name, dtype, numel in list(regions)
+                    if name in plan.state_regions()]
     regions.append(("control", torch.int64, len(_CONTROL_FIELDS) * len(layout.units) * world))
     return regions
 
@@ -323,7 +342,7 @@ class SharedHostState:
         u = self.layout.units[unit_index]
         end = u.padded if end is None else end
         lo, hi = u.host_offset + start, u.host_offset + end
-        if region in MOMENT_SCALES.values():
+        if region.removeprefix(REDO_PREFIX) in MOMENT_SCALES.values():
             lo, hi = lo // MOMENT_BLOCK, moment_scales(hi)
         return self.regions[region][lo:hi]
 

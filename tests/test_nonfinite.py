@@ -155,6 +155,11 @@ SLIDEDP_CASES = {"gpu": ({"reduction": "gpu"}, 1, 0.0, "loss"),
                  "gpu-clip-no-shadow": ({"reduction": "gpu", "bf16_shadow": False}, 1, 0.05,
                                         "loss"),
                  "cpu-accum": ({"reduction": "cpu"}, 2, 0.0, "loss"),
+                 # Speculative updates: undone on the skipped step, standing (guard) or redone
+                 # scaled (clipping) on the others.
+                 "gpu-speculative": ({"reduction": "gpu", "speculative_update": True}, 1, 0.0, "grad"),
+                 "gpu-clip-speculative": ({"reduction": "gpu", "speculative_update": True}, 1, 0.05,
+                                          "loss"),
                  # Every unit's state on the device: found_inf skips the fused AdamW there.
                  "resident-clip": (_ALL_RESIDENT, 1, 0.05, "grad"),
                  "resident-guard": (_ALL_RESIDENT, 1, 0.0, "loss")}

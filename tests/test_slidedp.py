@@ -190,7 +190,8 @@ CASES["test_two_ranks_clipping_without_accumulation"] = Case(
          "chunk_mib": ODD_CHUNK},
         {"delivery": "sharded", "reduction": "cpu", "bf16_shadow": False},
         {"delivery": "sharded", "reduction": "gpu", "moments_dtype": "bfloat16"},
-        {"delivery": "sharded", "reduction": "cpu", "moments_dtype": "8bit", "pin_threads": True}])
+        {"delivery": "sharded", "reduction": "cpu", "moments_dtype": "8bit", "pin_threads": True},
+        {"delivery": "sharded", "reduction": "gpu", "speculative_update": True}])
 
 
 def test_two_ranks_clipping_without_accumulation(request, slidedp_runs):
@@ -198,7 +199,8 @@ def test_two_ranks_clipping_without_accumulation(request, slidedp_runs):
     # sum) and the BF16 gradients wait on the host for the clipped update, which runs after the
     # step: in the shadow, in the BF16 gradient buffer without one, or (cpu route) in the
     # staging copies, summed again. BF16 moments (10 B/param) and 8-bit ones (the last two
-    # variants, the last with its threads pinned) train as single does to the same bounds.
+    # variants before the last, pinned) train as single does to the same bounds, and so do
+    # speculative updates (the last), every one of them redone scaled.
     case, results = slidedp_runs(request.node.name)
     ref_losses, ref_weights = single_reference(world=2, **case.kw)
     assert_matches_reference(results, ref_losses, ref_weights)
@@ -507,19 +509,22 @@ def test_layout_shards_partition_every_unit(world):
 
 
 def host_bytes_per_element(*, shadow: bool, reduction: str, world: int, accum: int,
-                           deferred: bool, moments: str = "float32") -> float:
+                           deferred: bool, moments: str = "float32", speculative: bool = False) -> float:
     """Issue 10's byte count of the shared host state per element, written out apart from
     slidedp/host_state.py: 12 B of FP32 master and moments; +2 for the BF16 shadow, which also
     holds one micro-batch's BF16 gradients while the updates wait for the step's norm (clipping
     or the non-finite guard); without a shadow +2 for those on the gpu route; +4 for
     accumulation; +2R on the cpu route, whose staging copies then hold them. The locked route
     (MegaTrain-style, a BF16 master) is 2 + 8 of moments + 4 of the one shared gradient sum.
-    BF16 moments take 4 off the 8 of FP32 ones; 8-bit ones 6, and add two FP32 scales per 128."""
+    BF16 moments take 4 off the 8 of FP32 ones; 8-bit ones 6, and add two FP32 scales per 128.
+    Speculative updates of a deferred step keep the master and moments once more, and the BF16
+    gradients in their own buffer beside the shadow."""
     if reduction == "locked":
         return 14
     cpu = reduction == "cpu"
     moments_bytes = {"float32": 8, "bfloat16": 4, "8bit": 2 + 2 * 4 / 128}[moments]
-    return (4 + moments_bytes + 2 * shadow + 4 * (accum > 1) + 2 * world * cpu
+    redo = speculative and deferred and accum == 1
+    return ((4 + moments_bytes) * (1 + redo) + 2 * (redo and shadow) + 2 * shadow + 4 * (accum > 1) + 2 * world * cpu
             + 2 * (deferred and accum == 1 and not shadow and not cpu))
 
 
@@ -537,7 +542,7 @@ def assert_host_bytes(results, *, world: int, flavor: str, accum: int, max_norm:
         per_element = host_bytes_per_element(
             shadow=s.bf16_shadow, reduction=s.reduction, world=world, accum=accum,
             deferred=max_norm > 0 or cfg.training.nonfinite != "off",
-            moments=s.moments_dtype)
+            moments=s.moments_dtype, speculative=s.speculative_update)
         mapped = r["host_mapped_bytes"]
         assert mapped == slidedp_host_bytes(cfg, args, world=world), r["variant"]
         assert 0 <= mapped - total * per_element <= 8 * 4096, (r["variant"], per_element)
