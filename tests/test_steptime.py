@@ -77,6 +77,29 @@ def test_bf16_moments_shorten_the_host_bound_update_by_their_bytes():
     assert bf16.step_s < fp32.step_s - (1 - share) * L * a * 0.9
 
 
+def test_speculative_updates_overlap_backward_at_the_cost_of_their_copy():
+    """A short forward (0.01 s a block) cannot hide deferred updates of A = 0.1 s a block (the held
+    gradient read as 30 B a parameter): they run after the norm, one after
+    another. Standing speculative ones run while backward (0.2 s a block) does, each longer by
+    its copy aside (24 B a parameter more); redone ones are the deferred ones with the restore.
+    The break-even share of clipping steps makes the average the deferred step."""
+    from slidedp.plan.predict import Speculation
+
+    L, elems, a = 4, 1_000_000, 0.1
+    r = rates(adam_gparams={4: elems / a / 1e9})
+    base = dict(blocks=L, block_elems=elems, deferred=True, fwd=0.01)
+    deferred = simulate_step(spec(**base), r)
+    stands = simulate_step(spec(**base, speculative="stands"), r)
+    redone = simulate_step(spec(**base, speculative="redone"), r)
+    assert deferred.demand_s["cpu update"] == pytest.approx(L * a * 30 / 28, rel=1e-3)
+    assert stands.demand_s["cpu update"] == pytest.approx(L * a * (28 + 24) / 28, rel=1e-3)
+    assert redone.demand_s["cpu update"] == pytest.approx(L * a * (30 + 24) / 28, rel=1e-3)
+    assert stands.step_s < deferred.step_s < redone.step_s
+    share = Speculation(redone=redone, deferred=deferred).break_even(stands)
+    assert 0 < share < 1
+    assert (1 - share) * stands.step_s + share * redone.step_s == pytest.approx(deferred.step_s)
+
+
 def test_slot_release_stall_in_backward():
     """Two slots: backward re-delivers every block but the last two, each into the slot of a
     block whose backward must finish first. With a copy d = 2 b, each block after the first two

@@ -120,6 +120,7 @@ def _config(a: argparse.Namespace, route: str) -> JobConfig:
     cfg.slidedp.gpu_state_blocks = a.gpu_state_blocks
     cfg.slidedp.moments_dtype = a.moments_dtype
     cfg.slidedp.pin_threads = a.pin_threads
+    cfg.slidedp.speculative_update = a.speculative_update
     cfg.slidedp.check_host_memory = not a.no_memory_check
     cfg.slidedp.autopolicy_candidates = a.autopolicy_candidates
     return cfg
@@ -184,6 +185,8 @@ def main() -> None:
                         "on the GPU)")
     p.add_argument("--moments-dtype", default="float32", choices=get_args(MomentsDtype),
                    help="slidedp: slidedp.moments_dtype (the host's Adam moments)")
+    p.add_argument("--speculative-update", action="store_true",
+                   help="slidedp: slidedp.speculative_update (updates as gradients arrive, redone if the norm clips)")
     p.add_argument("--pin-threads", action="store_true",
                    help="slidedp: slidedp.pin_threads (each runtime thread and CPU Adam worker on a core)")
     p.add_argument("--cpu-threads", default="0",
@@ -387,6 +390,7 @@ def _runtime_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
     return {"runtime": a.runtime, "bf16_shadow": backend.state.plan.bf16_shadow,
             "moments_dtype": backend.state.plan.moments,
             "cpu_threads": backend.optimizer.threads, "pin_threads": a.pin_threads,
+            "speculative_update": a.speculative_update,
             "host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
 
 
@@ -397,7 +401,8 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
     step_time = measured["step_time_s"]
     none = dict.fromkeys(("activation_blocks", "keep_blocks", "slots", "chunk_mib",
                           "update_order", "embedding_update", "gpu_state_blocks", "runtime",
-                          "bf16_shadow", "moments_dtype", "cpu_threads", "pin_threads"))
+                          "bf16_shadow", "moments_dtype", "cpu_threads", "pin_threads",
+                          "speculative_update"))
     return {"mode": a.mode, "label": a.label if label is None else label, "flavor": a.flavor,
             "route": route, "kernels": kernels, "attention_op": attention_op, "ac": ac,
             **{**none, **slidedp},
@@ -467,6 +472,8 @@ def system_name(row: dict) -> str:
         name += f" gpu-state-{row['gpu_state_blocks']}"
     if row.get("pin_threads"):  # not the default
         name += " pinned"
+    if row.get("speculative_update"):
+        name += " speculative"
     if row.get("moments_dtype") in ("bfloat16", "8bit"):  # not the default
         name += f" {'bf16' if row['moments_dtype'] == 'bfloat16' else '8bit'}-moments"
     return name + (f" {row['label']}" if row.get("label") else "")

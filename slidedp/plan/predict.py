@@ -37,10 +37,30 @@ class RunPlan:
     """Its prediction."""
     measured_bytes: bool
     """Every policy's activation bytes were measured (else some come from the shapes)."""
+    speculation: "Speculation | None" = None
+    """With speculative updates: the step when they are redone, and without speculation."""
 
     @property
     def host_total(self) -> int:
         return sum(self.host_parts.values())
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative updates (slidedp.speculative_update) against the deferred ones: `RunPlan.step`
+    is the step where the norm does not clip and they stand."""
+
+    redone: StepPrediction
+    """A step whose norm clips (or is skipped): every update restored and run again."""
+    deferred: StepPrediction
+    """The same step without speculation."""
+
+    def break_even(self, stands: StepPrediction) -> float:
+        """The share of clipping steps below which speculation is faster on average."""
+        gain, loss = self.deferred.step_s - stands.step_s, self.redone.step_s - stands.step_s
+        if gain <= 0:
+            return 0.0
+        return 1.0 if loss <= gain else gain / loss
 
 
 def policies_of(config, args: QwenArgs) -> list[ActivationPolicy]:
@@ -85,7 +105,7 @@ def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, 
         tokens=batch * tr.seq_len * tr.grad_accum_steps * world, schedule=schedule,
         kernels=kernels, embedding_on_gpu=s.embedding_update == "gpu",
         resident_units=frozenset(u for u, resident in gpu_updated_units(s, args.n_layers).items() if resident),
-        moments=host.moments)
+        moments=host.moments, speculative="stands" if host.redo else "off")
 
 
 def state_plan(config) -> HostStatePlan:
@@ -114,9 +134,14 @@ def plan_run(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, r
         block_bytes=(lambda p: work.activation_bytes(p, batch)[0] / tokens) if measured else None)
     spec = step_spec(config, args, flavor=flavor, kernels=kernels, world=world, rates=rates,
                      schedule=schedule)
+    speculation = None
+    if spec.speculative != "off":
+        speculation = Speculation(redone=simulate_step(replace(spec, speculative="redone"), rates),
+                                  deferred=simulate_step(replace(spec, speculative="off"), rates))
     return RunPlan(policies=tuple(policies), host_parts=host_parts, device=device,
                    device_capacity=math.floor(rates.machine.device_memory_gib * 2**30),
-                   spec=spec, step=simulate_step(spec, rates), measured_bytes=measured)
+                   spec=spec, step=simulate_step(spec, rates), measured_bytes=measured,
+                   speculation=speculation)
 
 
 def with_policies(config, policies: list[ActivationPolicy]):

@@ -112,6 +112,12 @@ def format_step(plan: RunPlan, rates: Rates) -> list[str]:
                      + ", ".join(f"{k} {v:.3f} s" for k, v in rest.items()))
     lines.append(f"bottleneck: {p.regime}: {p.why}")
     lines.append(f"what would move it: {p.advice}")
+    if plan.speculation is not None:
+        sp = plan.speculation
+        lines.append(f"speculative updates: {p.step_s:.3f} s a step whose norm does not clip, "
+                     f"{sp.redone.step_s:.3f} s one that clips (redone), against "
+                     f"{sp.deferred.step_s:.3f} s deferred: they pay while fewer than "
+                     f"{sp.break_even(p):.0%} of the steps clip")
     return lines
 
 

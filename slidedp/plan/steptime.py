@@ -55,6 +55,7 @@ from slidedp.plan.workload import MicroBatchWork, chunks
 from slidedp.schedule import Use, plan_micro_batch
 
 Schedule = Literal["slidedp", "slideformer"]
+Speculative = Literal["off", "stands", "redone"]
 
 SIMULATED_STEPS = 3
 """Steps simulated in a row; the last one is reported (the first has no version gates)."""
@@ -67,6 +68,9 @@ v and the BF16 shadow), with FP32 moments."""
 BF16_MOMENTS_SAVE = 8
 """Bytes per parameter that BF16 moments take off that pass (m and v read and written as 2, not
 4): the pass is bound by host memory traffic, so its time falls in proportion."""
+STATE_BYTES = {"float32": 12, "bfloat16": 8, "8bit": 6}
+"""Host bytes per parameter of the optimizer state (master and moments): a speculative update
+reads and writes them once more to copy them aside, a redo to restore them."""
 MOMENTS_8BIT_SAVE = 12
 """Bytes per parameter that 8-bit moments take off it (m and v as 1 byte each, plus a 4-byte
 scale per 128): counted as DRAM traffic, while the pass's time is its own measured rate."""
@@ -124,6 +128,17 @@ class StepSpec:
     i: slidedp.gpu_state_blocks, embedding_update = "resident")."""
     moments: MomentsDtype = "float32"
     """The host's Adam moments' format (slidedp.moments_dtype)."""
+    speculative: Speculative = "off"
+    """Speculative updates of a deferred step (slidedp.speculative_update), as the step's norm
+    turns out: "stands" (it does not clip: each update runs as its gradient comes home, after
+    copying its state aside) or "redone" (it clips: the deferred updates, each after restoring
+    the copy; the speculative passes themselves, which run while backward does, are not
+    counted)."""
+
+    @property
+    def waits_for_norm(self) -> bool:
+        """The host updates run after the step's norm (deferred, and not standing speculations)."""
+        return self.deferred and self.speculative != "stands"
 
     @property
     def n_blocks(self) -> int:
@@ -254,7 +269,10 @@ class _Builder:
                 seconds = elems / rates.adam_8bit(threads)
             else:
                 seconds = elems / rates.adam(threads) * per_param / ADAM_BYTES["bf16"]
-            nbytes = elems * per_param
+            # The copy aside (standing) or back (redone), bound by memory like the update.
+            copy = 2 * STATE_BYTES[moments] if self.spec.speculative != "off" else 0
+            seconds += elems / rates.adam(threads) * copy / ADAM_BYTES["bf16"]
+            nbytes = elems * (per_param + copy)
         else:  # acc = src (6 B/elem), acc += src (10 B/elem), src BF16
             seconds = sources * elems / rates.grad_sum(threads)
             nbytes = elems * (10 * sources - (4 if assign else 0))
@@ -311,7 +329,7 @@ class _Builder:
                                    kind="drain"))
         end = self.add(tuple(f"host:{r}" for r in range(R)), fixed=STEP_EDGE_S, deps=drains,
                        kind="step end")
-        if not spec.deferred:
+        if not spec.waits_for_norm:
             return end, None
         # Every unit updated on the GPU: the norm is taken there and the updates are queued
         # behind backward (engine: _norm_on_device), not after the host's step end.
@@ -374,7 +392,7 @@ class _Builder:
     def _gradient(self, unit: int, host: list[int], gpu: list[int], micro: int) -> None:
         """The update threads' job for one returned gradient (engine: _grad_job), every rank."""
         spec, R = self.spec, self.spec.world
-        update = micro == spec.micro_batches - 1 and not spec.deferred
+        update = micro == spec.micro_batches - 1 and not spec.waits_for_norm
         if spec.schedule == "slideformer":
             return self._slideformer_gradient(unit, host, gpu, micro, update)
         elems = spec.unit_elems[unit]
