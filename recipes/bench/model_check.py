@@ -59,11 +59,12 @@ ARTIFACTS = {
 """Recorded rows a bench artifact spoiled: (file, label, local batch, accum) -> why."""
 KEY = ("mode", "runtime", "flavor", "kernels", "route", "ac", "activation_blocks", "keep_blocks",
        "slots", "chunk_mib", "world", "seq", "local_batch", "accum", "max_norm", "nonfinite",
-       "embedding_update", "gpu_state_blocks", "moments_dtype")
+       "embedding_update", "gpu_state_blocks", "moments_dtype", "speculative_update")
 """What identifies a point in the predicted and the measured rows alike."""
 DEFAULTS = {"runtime": "slidedp", "activation_blocks": "", "keep_blocks": 0, "slots": 3,
             "chunk_mib": 32.0, "accum": 1, "max_norm": 0.0, "nonfinite": "off",
-            "embedding_update": "host", "gpu_state_blocks": 0, "moments_dtype": "float32"}
+            "embedding_update": "host", "gpu_state_blocks": 0, "moments_dtype": "float32",
+            "speculative_update": False}
 """For rows from before the bench recorded a key: its defaults, and max_norm 0 as every SlideDP
 launch of the GPU runs ran then (the non-finite guard did not exist; nor the embedding's update
 on the GPU)."""
@@ -105,6 +106,7 @@ def config_of(row: dict) -> JobConfig:
         s.embedding_update = _get(row, "embedding_update")
         s.gpu_state_blocks = _get(row, "gpu_state_blocks")
         s.moments_dtype = _get(row, "moments_dtype")
+        s.speculative_update = _get(row, "speculative_update")
     return cfg
 
 
@@ -118,9 +120,13 @@ def predict(row: dict, rates: Rates) -> dict:
         work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=cfg.training.seq_len)
         seconds = work.micro_batch([policy] * args.n_layers, cfg.training.local_batch_size).total
         return {"predicted_s": seconds, "regime": "compute", "why": "GPU work alone"}
-    step = plan_run(cfg, args, flavor=flavor, kernels=kernels, world=row["world"], rates=rates,
-                    schedule=cfg.slidedp.runtime).step
-    return {"predicted_s": step.step_s, "regime": step.regime, "why": step.why}
+    plan = plan_run(cfg, args, flavor=flavor, kernels=kernels, world=row["world"], rates=rates,
+                    schedule=cfg.slidedp.runtime)
+    step, seconds = plan.step, plan.step.step_s
+    if plan.speculation is not None:  # the timed steps' mix of standing and redone updates
+        redo = row.get("speculative_redo", 0.0)
+        seconds = (1 - redo) * seconds + redo * plan.speculation.redone.step_s
+    return {"predicted_s": seconds, "regime": step.regime, "why": step.why}
 
 
 def _activations(row: dict) -> str:
@@ -145,6 +151,8 @@ def _updates(row: dict) -> str:
     if _get(row, "gpu_state_blocks"):
         where += f", {_get(row, 'gpu_state_blocks')} blocks resident on the GPU"
     where += {"bfloat16": ", BF16 moments", "8bit": ", 8-bit moments"}.get(_get(row, "moments_dtype"), "")
+    if _get(row, "speculative_update"):
+        where += f", speculative ({row.get('speculative_redo', 0.0):.0%} redone)"
     return ("deferred" if deferred else "in backward") + where
 
 
