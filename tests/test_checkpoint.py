@@ -21,9 +21,10 @@ from models.flavors import get_flavor
 from recipes.checkpoint import (META_FILE, TRAIN_STATE, CheckpointSaver, NonFiniteWeights,
                                 latest_checkpoint, prune, staging_dir)
 from recipes.baselines.eager import build_single_backend
+from slidedp.layout import StateLayout
 from slidedp.save_gate import SaveGate
 from slidedp.state_file import state_file
-from tests.slidedp_worker import make_config
+from tests.slidedp_worker import global_batches, make_config
 
 ARGS = get_flavor("qwen3-debug")
 
@@ -198,3 +199,66 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path):
         saver.save(2, {"data": {}})  # a blocking save reports at once
     assert latest_checkpoint(str(tmp_path)) == tmp_path / "step-1"
     assert not (tmp_path / "step-2").exists() and not staging_dir(str(tmp_path), 2).exists()
+
+
+def test_slidedp_8bit_moments_resume_exactly_and_convert(tmp_path):
+    """8-bit moments (codes and their block scales) saved and loaded as stored: the same state
+    bit for bit; loaded by a run with FP32 moments, they come back dequantized, and FP32 ones
+    saved and loaded by an 8-bit run come back quantized as the CPU Adam stores them."""
+    from slidedp import cpu_adam
+    from slidedp.engine import SlideDPBackend
+
+    def backend(moments: str):
+        return SlideDPBackend(make_config({"moments_dtype": moments}, accum=1, max_norm=1.0), ARGS,
+                              device=torch.device("cpu"), dp_rank=0, dp_world=1)
+
+    def train(b, steps: int = 2):
+        for micro in global_batches(steps=steps, accum=1, batch=2, seq=16, vocab=ARGS.vocab_size, seed=5):
+            n = sum(int((y != -100).sum()) for _, y in micro)
+            b.train_step(micro, lr=1e-3, global_target_tokens=n)
+
+    saved = backend("8bit")
+    try:
+        train(saved)
+        (tmp_path / "q8").mkdir()
+        saved.snapshot_state(None)(str(tmp_path / "q8"))
+        want = _host_state(saved)
+    finally:
+        saved.close()
+    for moments in ("8bit", "float32"):
+        loaded = backend(moments)
+        try:
+            assert loaded.load_state(str(tmp_path / "q8")) == 2
+            got = _host_state(loaded)
+        finally:
+            loaded.close()
+        for unit in range(len(StateLayout(ARGS, world=1).units)):
+            assert torch.equal(got[f"master.u{unit}"], want[f"master.u{unit}"])
+            for region, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                name, scale = f"{region}.u{unit}", f"{region}_scale.u{unit}"
+                if moments == "8bit":
+                    assert torch.equal(got[name], want[name]) and torch.equal(got[scale], want[scale])
+                else:
+                    assert torch.equal(got[name], cpu_adam.dequantize_moment(want[name], want[scale],
+                                                                             signed=signed))
+    fp32 = backend("float32")
+    try:
+        train(fp32)
+        (tmp_path / "fp32").mkdir()
+        fp32.snapshot_state(None)(str(tmp_path / "fp32"))
+        plain = _host_state(fp32)
+    finally:
+        fp32.close()
+    quantized = backend("8bit")
+    try:
+        quantized.load_state(str(tmp_path / "fp32"))
+        got = _host_state(quantized)
+    finally:
+        quantized.close()
+    for unit in range(len(StateLayout(ARGS, world=1).units)):
+        for region, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            codes = torch.empty_like(got[f"{region}.u{unit}"])
+            scale = torch.empty_like(got[f"{region}_scale.u{unit}"])
+            cpu_adam.quantize_moment(plain[f"{region}.u{unit}"], signed=signed, codes=codes, scale=scale)
+            assert torch.equal(got[f"{region}.u{unit}"], codes)
+            assert torch.equal(got[f"{region}_scale.u{unit}"], scale)
