@@ -6,8 +6,9 @@ moments, and optionally writes a BF16 copy of the params, all in one pass over m
 and rounded back in place, in the same pass, and so are blockwise 8-bit moments (8 bytes per
 parameter; torchao's AdamW8bit format: a byte code per element into bitsandbytes' dynamic-tree
 table, one FP32 absmax per `MOMENT_BLOCK` elements). It is compiled on first use into
-`${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` (slidedp/native_build.py) and loaded with ctypes, which releases the GIL for the
-call, so the runtime can update one slice while other threads move the next. Without a compiler
+`${SLIDEDP_CACHE_DIR:-~/.cache/slidedp}` (slidedp/native_build.py) and loaded with ctypes, which
+releases the GIL for the call, so the runtime can update one slice while other threads move the
+next. Without a compiler
 the same math runs in torch ops (`torch._fused_adamw_` and separate casts).
 The same library holds `grad_accumulate`: the host-side gradient sum / accumulation with the sum of
 squares for clipping, also in one pass; and `stream_triad`, STREAM's triad on the same threads, the

@@ -536,8 +536,10 @@ class SlideDPBackend:
         # speculative ones too, their gates left closed until the step's norm is known.
         speculate = self.state.plan.redo
         if (not self.deferred or speculate) and hold != "none" and not self._updated_on_gpu(unit):
-            self._speculated[unit.index] = self._queue_update(
-                unit, hold, returned, coef=1.0, skip=False, speculative=speculate, **step)
+            done = self._queue_update(unit, hold, returned, coef=1.0, skip=False,
+                                      speculative=speculate, **step)
+            if speculate:
+                self._speculated[unit.index] = done
 
     def _queue_update(self, unit: Unit, hold: Hold, returned: Future, **kw) -> Future:
         job = partial(self._update_job, self.grad_return, unit, hold, returned, **kw)
@@ -886,13 +888,11 @@ class SlideDPBackend:
                 else:
                     self._queue_update(unit, hold, self._returned[unit.index], coef=coef,
                                        skip=skipped, **step)
-            if self._speculated:  # how often speculation pays: the redo rate
-                redo = float(coef != 1.0 or skipped)
         if self.style.update_after_backward:  # none overlaps the next step
             self._drain()
         extra = self.traffic.take()
-        if self._speculated and self.deferred and device_totals is None:
-            extra["speculative_redo"] = redo
+        if self._speculated:  # how often speculation pays: 1 when this step's updates are redone
+            extra["speculative_redo"] = float(coef != 1.0 or skipped)
         extra.update(update_wait_s=t_returned - t_compute, **self._finished_tail(),
                      **self._host_times_since_last_step())
         return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, extra=extra, skipped=skipped)

@@ -51,9 +51,9 @@ from slidedp.streams import register_host, unregister_host
 
 _CONTROL_FIELDS = ("version", "ready", "consumed")
 MOMENT_SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
+"""The scale region of each 8-bit moment region: one FP32 per MOMENT_BLOCK elements."""
 REDO_PREFIX = "redo_"
 """The speculative updates' copy of a state region (slidedp/speculative.py)."""
-"""The scale region of each 8-bit moment region: one FP32 per MOMENT_BLOCK elements."""
 assert SHARD_ALIGN % MOMENT_BLOCK == 0  # no rank's shard or chunk splits a block of scales
 
 
@@ -165,7 +165,7 @@ class HostStatePlan:
         optional = ((self.bf16_shadow, "bf16 shadow"), (self.grad_bf16, "bf16 grad buffer"),
                     (self.grad_accum and not self.grad_lock, "fp32 grad buffer"),
                     (self.grad_lock, "one locked fp32 grad sum"),
-                  (self.redo, "redo copy of the state"),
+                    (self.redo, "redo copy of the state"),
                     (self.cpu_staging, "per-rank grad staging"))
         moments = {"float32": "fp32", "bfloat16": "bf16", "8bit": "8-bit"}[self.moments]
         master = f"{'bf16' if self.bf16_master else 'fp32'} master+{moments} moments"

@@ -212,51 +212,42 @@ def test_slidedp_8bit_moments_resume_exactly_and_convert(tmp_path):
         return SlideDPBackend(make_config({"moments_dtype": moments}, accum=1, max_norm=1.0), ARGS,
                               device=torch.device("cpu"), dp_rank=0, dp_world=1)
 
-    def train(b, steps: int = 2):
-        for micro in global_batches(steps=steps, accum=1, batch=2, seq=16, vocab=ARGS.vocab_size, seed=5):
-            n = sum(int((y != -100).sum()) for _, y in micro)
-            b.train_step(micro, lr=1e-3, global_target_tokens=n)
-
-    saved = backend("8bit")
-    try:
-        train(saved)
-        (tmp_path / "q8").mkdir()
-        saved.snapshot_state(None)(str(tmp_path / "q8"))
-        want = _host_state(saved)
-    finally:
-        saved.close()
-    for moments in ("8bit", "float32"):
-        loaded = backend(moments)
+    def trained_and_saved(moments: str) -> dict[str, torch.Tensor]:
+        b = backend(moments)
         try:
-            assert loaded.load_state(str(tmp_path / "q8")) == 2
-            got = _host_state(loaded)
+            for micro in global_batches(steps=2, accum=1, batch=2, seq=16, vocab=ARGS.vocab_size, seed=5):
+                n = sum(int((y != -100).sum()) for _, y in micro)
+                b.train_step(micro, lr=1e-3, global_target_tokens=n)
+            (tmp_path / moments).mkdir()
+            b.snapshot_state(None)(str(tmp_path / moments))
+            return _host_state(b)
         finally:
-            loaded.close()
-        for unit in range(len(StateLayout(ARGS, world=1).units)):
+            b.close()
+
+    def loaded(moments: str, saved: str) -> dict[str, torch.Tensor]:
+        b = backend(moments)
+        try:
+            assert b.load_state(str(tmp_path / saved)) == 2
+            return _host_state(b)
+        finally:
+            b.close()
+
+    units = range(len(StateLayout(ARGS, world=1).units))
+    moments = (("exp_avg", True), ("exp_avg_sq", False))
+    want = trained_and_saved("8bit")
+    for got, as_stored in ((loaded("8bit", "8bit"), True), (loaded("float32", "8bit"), False)):
+        for unit in units:
             assert torch.equal(got[f"master.u{unit}"], want[f"master.u{unit}"])
-            for region, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            for region, signed in moments:
                 name, scale = f"{region}.u{unit}", f"{region}_scale.u{unit}"
-                if moments == "8bit":
+                if as_stored:
                     assert torch.equal(got[name], want[name]) and torch.equal(got[scale], want[scale])
                 else:
                     assert torch.equal(got[name], cpu_adam.dequantize_moment(want[name], want[scale],
                                                                              signed=signed))
-    fp32 = backend("float32")
-    try:
-        train(fp32)
-        (tmp_path / "fp32").mkdir()
-        fp32.snapshot_state(None)(str(tmp_path / "fp32"))
-        plain = _host_state(fp32)
-    finally:
-        fp32.close()
-    quantized = backend("8bit")
-    try:
-        quantized.load_state(str(tmp_path / "fp32"))
-        got = _host_state(quantized)
-    finally:
-        quantized.close()
-    for unit in range(len(StateLayout(ARGS, world=1).units)):
-        for region, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+    plain, got = trained_and_saved("float32"), loaded("8bit", "float32")
+    for unit in units:
+        for region, signed in moments:
             codes = torch.empty_like(got[f"{region}.u{unit}"])
             scale = torch.empty_like(got[f"{region}_scale.u{unit}"])
             cpu_adam.quantize_moment(plain[f"{region}.u{unit}"], signed=signed, codes=codes, scale=scale)
