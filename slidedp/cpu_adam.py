@@ -305,8 +305,7 @@ def _torch_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
                   bf16_out: Tensor | None, scales: tuple[Tensor, Tensor] | None) -> None:
     """The fallback: torch's fused kernel plus the casts around it (torch's intra-op threads). BF16
     params or moments are widened to FP32 copies and copied back (`copy_` into bf16 rounds to nearest
-    even, as the kernel does); 8-bit moments are dequantized and requantized with torchao's own
-    functions, whose codes the kernel reproduces."""
+    even, as the kernel does); 8-bit moments are dequantized and requantized as torchao does."""
     if grad.dtype != torch.float32 or grad_scale != 1.0:
         grad = grad.float() * grad_scale
     if param.dtype == torch.bfloat16:
@@ -336,16 +335,19 @@ def _blocks(x: Tensor) -> Tensor:
 
 
 def dequantize_moment(codes: Tensor, scale: Tensor, *, signed: bool) -> Tensor:
-    """FP32 values of 8-bit moment codes and their block scales (exp_avg: signed)."""
-    from torchao.optim.quant_utils import dequant_with_qmap  # torchao imports in seconds: only here
-
-    return dequant_with_qmap(_blocks(codes), dynamic_qmap(signed=signed), scale).view(-1)[:codes.numel()]
+    """FP32 values of 8-bit moment codes and their block scales (exp_avg: signed), as torchao's
+    dequant_with_qmap computes them (table value times the block's scale)."""
+    values = dynamic_qmap(signed=signed)[codes.long()]
+    return (_blocks(values) * scale.view(-1, 1)).view(-1)[:codes.numel()]
 
 
 def quantize_moment(x: Tensor, *, signed: bool, codes: Tensor, scale: Tensor) -> None:
-    """8-bit codes and block scales of FP32 `x` into `codes` and `scale`, as torchao stores them."""
-    from torchao.optim.quant_utils import quantize_8bit_with_qmap, scale_tensor
-
-    scaled, block_scale = scale_tensor(_blocks(x), MOMENT_BLOCK)
-    codes.copy_(quantize_8bit_with_qmap(scaled, dynamic_qmap(signed=signed)).view(-1)[:codes.numel()])
+    """8-bit codes and block scales of FP32 `x` into `codes` and `scale`, the ones torchao's
+    scale_tensor and quantize_8bit_with_qmap give (tests/test_cpu_adam.py): each block divided by
+    its absmax (at least 1e-12), coded by counting `quantize_thresholds`, as the kernel does."""
+    blocks = _blocks(x)
+    block_scale = blocks.abs().amax(dim=1).clamp(min=1e-12)
+    scaled = (blocks / block_scale.view(-1, 1)).view(-1)[:x.numel()]
+    thresholds = quantize_thresholds(signed=signed)[:-1].contiguous()
+    codes.copy_(torch.searchsorted(thresholds, scaled, right=True))
     scale.copy_(block_scale)

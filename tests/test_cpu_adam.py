@@ -336,9 +336,9 @@ def _run_8bit(n: int, *, steps: int, seed: int, **hyper) -> dict[str, torch.Tens
 
 @pytest.mark.parametrize("n", [1, 127, 128 * 5 + 3, 32768 + 128 * 3 + 17])  # tails, several pool blocks
 def test_8bit_moments_are_torchao_quantized_fused_steps(isa, n, monkeypatch):
-    """Each ISA's 8-bit step equals, bit for bit, torch's fused AdamW on the moments dequantized
-    by torchao, requantized by torchao's own functions (the torch path), and writes nothing
-    outside its views."""
+    """Each ISA's 8-bit step equals, bit for bit, torch's fused AdamW on the dequantized moments,
+    requantized as torchao does (the torch path; its quantizer is torchao's: the next test), and
+    writes nothing outside its views."""
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, num_threads=3)
     got = _run_8bit(n, steps=3, seed=n, **hyper)
     monkeypatch.setenv(cpu_adam.ISA_ENV, cpu_adam.TORCH_ISA)
@@ -353,8 +353,10 @@ def test_8bit_moments_are_torchao_quantized_fused_steps(isa, n, monkeypatch):
 
 def test_8bit_code_tables_are_torchao_s():
     """The dynamic-tree tables are torchao's, and counting thresholds picks torchao's codes on
-    random inputs, every threshold, the float just below each, and every table value."""
-    from torchao.optim.quant_utils import create_dynamic_map, quantize_8bit_with_qmap
+    random inputs, every threshold, the float just below each, and every table value; whole
+    moments quantize and dequantize as torchao's functions do, blocks and scales included."""
+    from torchao.optim.quant_utils import (create_dynamic_map, dequant_with_qmap,
+                                           quantize_8bit_with_qmap, scale_tensor)
 
     for signed in (True, False):
         qmap = cpu_adam.dynamic_qmap(signed=signed)
@@ -366,6 +368,15 @@ def test_8bit_code_tables_are_torchao_s():
         x = torch.cat([torch.rand(1 << 16, generator=gen) * (1 - low) + low, thresholds,
                        torch.nextafter(thresholds, torch.tensor(-2.0)), qmap]).clamp(min=low)
         assert torch.equal(torch.searchsorted(thresholds, x, right=True), quantize_8bit_with_qmap(x, qmap).long())
+        moment = torch.randn(128 * 9, generator=gen) * torch.logspace(-8, 0, 128 * 9)
+        moment = moment if signed else moment.abs()
+        codes, scale = torch.empty(moment.numel(), dtype=torch.uint8), torch.empty(9)
+        cpu_adam.quantize_moment(moment, signed=signed, codes=codes, scale=scale)
+        scaled, want_scale = scale_tensor(moment.view(9, 128), 128)
+        assert torch.equal(codes, quantize_8bit_with_qmap(scaled, qmap).view(-1))
+        assert torch.equal(scale, want_scale)
+        assert torch.equal(cpu_adam.dequantize_moment(codes, scale, signed=signed),
+                           dequant_with_qmap(codes.view(9, 128), qmap, scale).view(-1))
 
 
 def test_8bit_moments_track_fp32_moments():
