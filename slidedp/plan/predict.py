@@ -33,8 +33,8 @@ class RunPlan:
     """One device's bytes (0: unknown)."""
     spec: StepSpec
     """The step the model simulated."""
-    step: StepPrediction
-    """Its prediction."""
+    step: StepPrediction | None
+    """Its prediction (None: not simulated, `plan_run(simulate=False)`)."""
     measured_bytes: bool
     """Every policy's activation bytes were measured (else some come from the shapes)."""
     speculation: "Speculation | None" = None
@@ -117,9 +117,10 @@ def state_plan(config) -> HostStatePlan:
 
 def plan_run(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
              policies: list[ActivationPolicy] | None = None,
-             schedule: Schedule = "slidedp") -> RunPlan:
+             schedule: Schedule = "slidedp", simulate: bool = True) -> RunPlan:
     """Memory and the predicted step of `config` (parallelism.mode = "slidedp") on `world`
-    ranks of the machine of `rates`. `policies` replace the configuration's per-block ones."""
+    ranks of the machine of `rates`. `policies` replace the configuration's per-block ones;
+    without `simulate`, the memory alone (for rates that cannot time the step)."""
     if policies is not None:
         config = with_policies(config, policies)
     tr = config.training
@@ -135,12 +136,13 @@ def plan_run(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, r
     spec = step_spec(config, args, flavor=flavor, kernels=kernels, world=world, rates=rates,
                      schedule=schedule)
     speculation = None
-    if spec.speculative != "off":
+    if simulate and spec.speculative != "off":
         speculation = Speculation(redone=simulate_step(replace(spec, speculative="redone"), rates),
                                   deferred=simulate_step(replace(spec, speculative="off"), rates))
     return RunPlan(policies=tuple(policies), host_parts=host_parts, device=device,
                    device_capacity=math.floor(rates.machine.device_memory_gib * 2**30),
-                   spec=spec, step=simulate_step(spec, rates), measured_bytes=measured,
+                   spec=spec, step=simulate_step(spec, rates) if simulate else None,
+                   measured_bytes=measured,
                    speculation=speculation)
 
 

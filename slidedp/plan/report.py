@@ -15,7 +15,7 @@ from slidedp.plan.memory import REFUSE_ABOVE, MemoryEstimate
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.policy_file import policy_settings, write_policy_file
 from slidedp.plan.predict import RunPlan, compute_dtype, plan_run, policies_of
-from slidedp.plan.rates import Rates
+from slidedp.plan.rates import MissingRate, Rates
 from slidedp.plan.search import (Model, Setting, assign, budgets, build_program, candidates_of,
                                   screen, setting_of)
 from slidedp.plan.steptime import Schedule
@@ -157,15 +157,20 @@ def plan_text(job: Job, rates: Rates, *, world: int,
     # has one; its routes and host regions come from the style either way.
     runtime = config.slidedp.runtime
     modelled = runtime in get_args(Schedule)
-    plan = plan_run(config, job.args, flavor=job.flavor, kernels=kernels, world=world, rates=rates,
-                    schedule=runtime if modelled else "slidedp")
+    run = dict(flavor=job.flavor, kernels=kernels, world=world, rates=rates,
+               schedule=runtime if modelled else "slidedp")
+    try:
+        plan = plan_run(config, job.args, **run)
+        step = format_step(plan, rates)
+    except MissingRate as e:  # the memory can still be said
+        plan = plan_run(config, job.args, **run, simulate=False)
+        step = [f"predicted step: none: {e}"]
     caveat = [] if modelled else [f"step: simulated with SlideDP's own schedule (the model has "
                                   f"none for the {runtime} runtime)"]
     return [f"plan of {describe_run(job, world=world, kernels=kernels)}",
             f"on {describe_rates(rates)}",
             f"activations: {format_blocks(list(plan.policies))}",
-            *dtype_note(job, rates), *format_memory(plan, rates), *caveat,
-            *format_step(plan, rates)]
+            *dtype_note(job, rates), *format_memory(plan, rates), *caveat, *step]
 
 
 def _resident_mode_text(job: Job, rates: Rates, est: MemoryEstimate, *, world: int,
