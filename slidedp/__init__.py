@@ -2,19 +2,22 @@
 
   config.py       the [slidedp] TOML section
   layout.py       units, flat offsets and per-rank shards of the host state
-  host_state.py   the shared-memory FP32 master + Adam moments (+ BF16 shadow)
+  host_state.py   the shared-memory FP32 master + Adam moments (FP32, BF16 or 8-bit; + BF16 shadow)
   delivery.py     host->GPU parameter routes (replicated | sharded)
   update.py       GPU->host gradient routes (gpu | cpu reduction) and the CPU AdamW
   update_order.py which returned gradient's update runs next (one place decides the order)
   collectives.py  the routes' all-gather / reduce-scatter under this torch's names
   cpu_adam.py     the C++ fused AdamW and gradient-sum kernels (csrc/), torch fallback
+  native_build.py compiling csrc/ once per machine into a shared cache
+  affinity.py     pinning a rank's threads to its share of the cores (slidedp.pin_threads)
+  speculative.py  updates that run before the step's norm is known, redone if it clips
   schedule.py     the plan as plain data: which unit uses which GPU buffer, which deliveries,
                   which activation offloads and prefetches
   activations/    per-block activation policies (keep, recompute, segment masks, op-level saves,
                   offload fractions), their measured costs, the offload to host memory
   streams.py      CUDA streams/events that are no-ops on the CPU
   traffic.py      per-step byte counters of each route
-  state_file.py   per-rank FP32 shards of master + moments, for resuming
+  state_file.py   per-rank shards of master + moments as stored, for resuming
   engine.py       the streamed training step (TrainBackend)
 """
 
