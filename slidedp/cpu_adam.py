@@ -43,12 +43,18 @@ _CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread", "-ffp-contrac
               "-fno-math-errno", "-Wno-psabi")
 
 
+def build() -> Path:
+    """The kernel's library, compiled ($CXX, else g++) unless this source's build is cached;
+    raises NativeBuildError without a compiler or when it fails."""
+    return compile_cached(_SOURCE, _CXX_FLAGS, "cpu_adam", compiler=os.environ.get("CXX", "g++"),
+                          suffix=".so")
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (with a warning) when it cannot be built or loaded."""
     try:
-        compiler = os.environ.get("CXX", "g++")
-        lib = ctypes.CDLL(str(compile_cached(_SOURCE, _CXX_FLAGS, "cpu_adam", compiler=compiler, suffix=".so")))
+        lib = ctypes.CDLL(str(build()))
     except (NativeBuildError, OSError, subprocess.SubprocessError) as e:
         warnings.warn(f"slidedp: CPU Adam kernel unavailable, using the slower torch fallback: {e}",
                       RuntimeWarning, stacklevel=3)
