@@ -77,6 +77,9 @@ OPTIONS = [
     # value (the dynamic-tree table's low codes are far apart, its lowest is 0), so its step
     # m / sqrt(v) can exceed the 1 of exact moments: a few elements move several lr a step.
     Option("8bit-moments-pinned", {"moments_dtype": "8bit", "pin_threads": True}, max_lr_per_step=16.0),
+    # Speculative updates: each unit's update as its gradient comes home, redone scaled once the
+    # norm says it clips.
+    Option("speculative", {"speculative_update": True}),
     Option("next-use", {"update_order": "next_use"}),
     Option("slideformer", {"runtime": "slideformer"}),
     Option("megatrain", {"runtime": "megatrain"}, bf16_master=True),
