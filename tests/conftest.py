@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,18 +37,6 @@ def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get("SLIDEDP_CACHE_DIR"):
         _SESSION_CACHE = tempfile.mkdtemp(prefix="slidedp-tests-")
         os.environ["SLIDEDP_CACHE_DIR"] = _SESSION_CACHE
-    # The CPU Adam kernel compiles for seconds: on the second core while the first tests run (a
-    # test that needs it first waits on the build's lock; a build that fails is the fallback's).
-    threading.Thread(target=_build_cpu_adam, daemon=True).start()
-
-
-def _build_cpu_adam() -> None:
-    from slidedp import cpu_adam, native_build
-
-    try:
-        cpu_adam.build()
-    except native_build.NativeBuildError:
-        pass
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
