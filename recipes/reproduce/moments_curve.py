@@ -14,9 +14,13 @@ GPU defaults: qwen3-0.6B, 4 sequences of 2,048 tokens per step, 200 steps, AdamW
 with the liger kernels (2026-12-04; the first run on a machine compiles the CPU Adam kernel,
 the tokenizer takes seconds once). On the GPU two identical FP32 runs do not match bit for bit
 (the kernels' reductions): their difference is the floor a moments dtype is judged against. --tiny:
-qwen3-debug on the CPU, 4 sequences of 64 tokens, 30 steps (seconds per dtype). A dtype named
+qwen3-debug on the CPU, 4 sequences of 64 tokens, 20 steps (seconds per dtype). A dtype named
 twice runs twice (its second run labelled `<dtype>-run2`): a second float32 run measures that
 floor.
+
+A run named `<dtype>+speculative` trains with slidedp.speculative_update as well: exact, so
+`float32+speculative` must follow the float32 curve step for step, and its row says how often
+its updates were redone (the steps whose norm clipped).
 
     python -m recipes.reproduce.moments_curve [--dtypes float32,bfloat16,8bit] [--steps 200]
         [--section.key=value ...]     # any other recipes.train flag, passed to every run
@@ -38,8 +42,10 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import get_args
 
 from recipes.bpe import train_bpe
+from slidedp.config import MomentsDtype
 from recipes.reproduce.common import (HOST_RSS, REPO, TOKENS, Column, Runner, parser, start,
                                       write_outputs)
 
@@ -62,7 +68,10 @@ COLUMNS = [Column("run", "run"), Column("moments_dtype", "moments"), Column("ste
            Column("grad_norm_rel_diff", "mean abs Δgrad norm / FP32's", "{:.2%}"),
            Column("nonfinite_steps", "non-finite steps"),
            Column("skipped_updates", "skipped updates"), TOKENS,
-           Column("host_bytes_per_param", "host B/param", "{:.1f}"), HOST_RSS]
+           Column("host_bytes_per_param", "host B/param", "{:.1f}"), HOST_RSS,
+           Column("redone", "speculative updates redone", "{:.0%}")]
+SPECULATIVE = "+speculative"
+"""A run's suffix for slidedp.speculative_update."""
 
 
 def write_corpus(path: Path, *, max_mb: float) -> dict:
@@ -107,12 +116,13 @@ def run_labels(dtypes: list[str]) -> list[str]:
     return labels
 
 
-def train(runner: Runner, data: Path, dtype: str, label: str,
+def train(runner: Runner, data: Path, run: str, label: str,
           extra: list[str]) -> tuple[list[dict], float | None]:
-    """One training run with `dtype` moments into runs/<label>/ (metrics.jsonl, train.log): its
-    metrics rows (those written before a failure too) and the host state's bytes per parameter
-    it reported."""
+    """One training run, `run` a moments dtype (with SPECULATIVE: speculative updates too), into
+    runs/<label>/ (metrics.jsonl, train.log): its metrics rows (those written before a failure
+    too) and the host state's bytes per parameter it reported."""
     a = runner.args
+    dtype = run.removesuffix(SPECULATIVE)
     dump = runner.out_dir / "runs" / label
     flags = [f"--model.flavor={a.flavor}", f"--model.tokenizer_dir={data}",
              f"--model.kernels={a.kernels}", f"--training.steps={a.steps}",
@@ -127,6 +137,7 @@ def train(runner: Runner, data: Path, dtype: str, label: str,
              "--slidedp.embedding_update=host", "--slidedp.gpu_state_blocks=0",
              # No recompute: the fastest policy at these lengths; the numerics do not depend on it.
              "--slidedp.activation=keep",
+             f"--slidedp.speculative_update={str(run.endswith(SPECULATIVE)).lower()}",
              f"--job.dump_folder={dump}", "--job.overwrite", "--checkpoint.save_dir=",
              "--metrics.enable_tensorboard=false", f"--metrics.log_freq={max(1, a.steps // 10)}",
              *extra]
@@ -174,6 +185,9 @@ def summary(rows: list[dict], reference: list[dict], *, warmup: int) -> dict:
            "skipped_updates": sum(bool(r["update_skipped"]) for r in rows),
            "tokens_per_s": statistics.median(timed) if timed else math.nan,
            "peak_rss_gib": rows[-1]["peak_rss_gib"] if rows else math.nan}
+    redone = [r["speculative_redo"] for r in rows if "speculative_redo" in r]
+    if redone:
+        out["redone"] = statistics.fmean(redone)
     if rows is reference or not diffs:
         return out
     return {**out, "final_rel_diff": final / final_loss(reference) - 1,
@@ -221,9 +235,14 @@ def main() -> None:
                    gpu={"flavor": "qwen3-0.6B", "seq": 2048, "batch": 4, "steps": 200,
                         "warmup": 5, "lr": 3e-4, "lr_warmup": 20, "corpus_mb": math.inf,
                         "vocab": 32768},
-                   tiny={"seq": 64, "batch": 4, "steps": 30, "warmup": 2, "lr": 3e-3,
+                   tiny={"seq": 64, "batch": 4, "steps": 20, "warmup": 2, "lr": 3e-3,
                          "lr_warmup": 3, "corpus_mb": 0.3, "vocab": 512})
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    moments = get_args(MomentsDtype)
+    bad = [d for d in dtypes if d.removesuffix(SPECULATIVE) not in moments]
+    if bad:
+        p.error(f"--dtypes: {', '.join(bad)}: each is one of {', '.join(moments)}, optionally "
+                f"with {SPECULATIVE}")
     if REFERENCE not in dtypes:
         p.error(f"--dtypes: {REFERENCE} is the reference every curve is compared with")
     labels = run_labels(dtypes)
@@ -239,9 +258,11 @@ def main() -> None:
         for dtype, label in zip(dtypes, labels):
             curves[label], host_bytes[label] = train(runner, data, dtype, label, extra)
             with runner.jsonl.open("a") as f:
-                f.writelines(json.dumps({"run": label, "moments_dtype": dtype, **r}) + "\n"
+                f.writelines(json.dumps({"run": label, "moments_dtype": dtype.removesuffix(SPECULATIVE),
+                                         **r}) + "\n"
                              for r in curves[label])
-    rows = [{"run": label, "moments_dtype": dtype, "host_bytes_per_param": host_bytes[label],
+    rows = [{"run": label, "moments_dtype": dtype.removesuffix(SPECULATIVE),
+             "host_bytes_per_param": host_bytes[label],
              **summary(curves[label], curves[REFERENCE], warmup=args.warmup)}
             for dtype, label in zip(dtypes, labels)]
     notes = (f"Every run: {args.flavor} from random initialisation (seed {args.seed}; no "
