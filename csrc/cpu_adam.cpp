@@ -720,6 +720,12 @@ int slidedp_cpu_adam_update(int isa, void* param, int param_is_bf16, const void*
   return 0;
 }
 
+// The passes below are plain loops left to the compiler's vectorizer, which needs -O3; the update
+// above is written in explicit vectors and runs as fast at -O2 (slidedp/cpu_adam.py's flags),
+// which compiles its many instantiations faster on each machine's first use.
+#pragma GCC push_options
+#pragma GCC optimize("O3")
+
 // acc = (assign ? 0 : acc) + src, src BF16 or FP32; returns the sum of squares of the result when
 // want_sumsq (else 0). One pass over memory: the host-side gradient sum (cpu route), gradient
 // accumulation and the clipping norm share it. Partial sums are kept per block and added in block
@@ -793,5 +799,7 @@ void slidedp_stream_triad(double* a, const double* b, const double* c, double sc
   };
   g_pool->run(workers(num_threads, num_blocks), job);
 }
+
+#pragma GCC pop_options
 
 }  // extern "C"
