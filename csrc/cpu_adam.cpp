@@ -26,8 +26,8 @@
 // slidedp/cpu_adam.py; ctypes releases the GIL for the call. One build serves every x86 CPU: each
 // ISA path is compiled with its own function-level target attribute and picked at run time.
 // The library also exports slidedp_grad_accumulate, the host-side gradient sum/accumulation that
-// returns the clipping norm's sum of squares from the same pass, and slidedp_stream_triad, STREAM's
-// triad on the same threads.
+// returns the clipping norm's sum of squares from the same pass, slidedp_stream_triad, STREAM's
+// triad on the same threads, and slidedp_pin_helpers, which pins the pool's threads to cores.
 
 #include <pthread.h>
 
