@@ -359,9 +359,8 @@ class SlideDPBackend:
         self._drain()
         self._barrier()  # no peer's delivery reads our version counters any more
         for unit in self.layout.units:
-            lo, hi = unit.shard(self.rank, self.world)
             for region in self.state.plan.state_regions()[1:]:  # the moments (and their scales)
-                self.state.unit_view(region, unit.index, lo, hi).zero_()
+                self.state.shard_view(region, unit).zero_()
             self.state.version[unit.index, self.rank] = 0
         for g in self.gpu_updates.values():
             g.invalidate()
@@ -618,9 +617,7 @@ class SlideDPBackend:
             return
         if hold == "shadow":  # it holds the gradient: the weights come back from the master
             Streams.synchronize(held)
-            lo, hi = unit.shard(self.rank, self.world)
-            self.state.unit_view("shadow", unit.index, lo, hi).copy_(
-                self.state.unit_view("master", unit.index, lo, hi))
+            self._shadow_from_master(unit)
         elif hold == "staging":
             route.release(held)
         elif hold == "shared_accum":
@@ -668,10 +665,12 @@ class SlideDPBackend:
                          lr=lr, adam_step=adam_step, version=version, tail=tail)
             return
         if self.state.plan.bf16_shadow:
-            lo, hi = unit.shard(self.rank, self.world)
-            self.state.unit_view("shadow", unit.index, lo, hi).copy_(
-                self.state.unit_view("master", unit.index, lo, hi))
+            self._shadow_from_master(unit)
         self._set_version(unit, version, tail)
+
+    def _shadow_from_master(self, unit: Unit) -> None:
+        """This rank's shard of the unit's BF16 shadow rounded again from its master."""
+        self.state.shard_view("shadow", unit).copy_(self.state.shard_view("master", unit))
 
     def _updated_on_gpu(self, unit: Unit) -> bool:
         return unit.index in self.gpu_updates
@@ -974,9 +973,7 @@ class SlideDPBackend:
             g.invalidate()
         for unit in self.layout.units:
             if self.state.plan.bf16_shadow:
-                lo, hi = unit.shard(self.rank, self.world)
-                self.state.unit_view("shadow", unit.index, lo, hi).copy_(
-                    self.state.unit_view("master", unit.index, lo, hi))
+                self._shadow_from_master(unit)
             self.state.version[unit.index, self.rank] = steps
         self.steps_done = steps
         self._barrier()  # every rank's shards are in place before any delivery reads them

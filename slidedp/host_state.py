@@ -45,7 +45,7 @@ import torch
 
 from slidedp.config import MomentsDtype, SlideDPConfig
 from slidedp.cpu_adam import MOMENT_BLOCK, moment_scales
-from slidedp.layout import SHARD_ALIGN, StateLayout
+from slidedp.layout import SHARD_ALIGN, StateLayout, Unit
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.streams import register_host, unregister_host
 
@@ -345,6 +345,11 @@ class SharedHostState:
         if region.removeprefix(REDO_PREFIX) in MOMENT_SCALES.values():
             lo, hi = lo // MOMENT_BLOCK, moment_scales(hi)
         return self.regions[region][lo:hi]
+
+    def shard_view(self, region: str, unit: Unit) -> torch.Tensor:
+        """This rank's shard of `unit` in a region (`unit_view` of `Unit.shard`)."""
+        lo, hi = unit.shard(self.rank, self.world)
+        return self.unit_view(region, unit.index, lo, hi)
 
     def staging_view(self, owner: int, unit_index: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rank `owner`'s returned full gradient of a unit (CPU-side reduction)."""

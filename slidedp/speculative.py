@@ -37,10 +37,8 @@ def check_speculative(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: in
 
 
 def _shards(state: SharedHostState, unit: Unit):
-    lo, hi = unit.shard(state.rank, state.world)
     for region in state.plan.state_regions():
-        yield (state.unit_view(region, unit.index, lo, hi),
-               state.unit_view(REDO_PREFIX + region, unit.index, lo, hi))
+        yield state.shard_view(region, unit), state.shard_view(REDO_PREFIX + region, unit)
 
 
 def keep(state: SharedHostState, unit: Unit) -> None:

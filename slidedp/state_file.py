@@ -41,9 +41,8 @@ def state_file(directory: str, *, rank: int, world: int) -> Path:
 
 def _unit_shards(state: SharedHostState, unit: Unit) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, view into the shared mapping) of this rank's shard of `unit`, every region."""
-    lo, hi = unit.shard(state.rank, state.world)
     for region in state.plan.state_regions():
-        yield f"{region}.u{unit.index}", state.unit_view(region, unit.index, lo, hi)
+        yield f"{region}.u{unit.index}", state.shard_view(region, unit)
 
 
 def _header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
@@ -91,48 +90,42 @@ def load_shards(state: SharedHostState, directory: str) -> tuple[int, int]:
                          f"{_saved_world_sizes(directory) or 'none'}, this run has {state.world} "
                          "ranks: resume with the same number of ranks")
     with safe_open(path, framework="pt") as f:
-        saved_8bit = any(key.startswith("exp_avg_scale.") for key in f.keys())
         for unit in state.layout.units:
             for name, dest in _unit_shards(state, unit):
                 region = name.split(".")[0]
                 if region in MOMENT_SCALES.values():
-                    continue  # written with its moment
-                if region in MOMENT_SCALES and saved_8bit != (dest.dtype == torch.uint8):
-                    _convert_moment(f, state, unit, region, name, dest)
-                    continue
+                    continue  # read with its moment
                 saved = f.get_tensor(name)
                 if saved.shape != dest.shape:
                     raise ValueError(f"{path}: {name} has {saved.numel()} elements, this model's "
                                      f"shard {dest.numel()}: saved from a different model")
-                dest.copy_(saved)
-                if region in MOMENT_SCALES and saved_8bit:
-                    scale = f"{MOMENT_SCALES[region]}.u{unit.index}"
-                    _unit_view(state, unit, MOMENT_SCALES[region]).copy_(f.get_tensor(scale))
+                if region in MOMENT_SCALES:
+                    _load_moment(f, state, unit, region, saved, dest)
+                else:
+                    dest.copy_(saved)
         meta = f.metadata()
     steps = int(meta[_STEPS_KEY])
     return steps, int(meta.get(_ADAM_STEPS_KEY, steps))  # saves from before skipping existed
 
 
-def _unit_view(state: SharedHostState, unit: Unit, region: str) -> torch.Tensor:
-    lo, hi = unit.shard(state.rank, state.world)
-    return state.unit_view(region, unit.index, lo, hi)
-
-
-def _convert_moment(f, state: SharedHostState, unit: Unit, region: str, name: str,
-                    dest: torch.Tensor) -> None:
-    """A saved moment into `dest` stored otherwise: 8-bit codes are dequantized to FP32, and
-    FP32 (or BF16) quantized, as the CPU Adam would store them."""
-    saved = f.get_tensor(name)
-    if saved.shape != dest.shape:
-        raise ValueError(f"{name} has {saved.numel()} elements, this model's shard "
-                         f"{dest.numel()}: saved from a different model")
-    signed = region == "exp_avg"
+def _load_moment(f, state: SharedHostState, unit: Unit, region: str, saved: torch.Tensor,
+                 dest: torch.Tensor) -> None:
+    """A saved moment into `dest`, with its block scales where either side is 8-bit: as stored,
+    or converted (8-bit codes dequantized to FP32; FP32 or BF16 quantized as the CPU Adam stores
+    them)."""
+    signed, scales = region == "exp_avg", MOMENT_SCALES[region]
     if saved.dtype == torch.uint8:
-        scale = f.get_tensor(f"{MOMENT_SCALES[region]}.u{unit.index}")
-        dest.copy_(cpu_adam.dequantize_moment(saved, scale, signed=signed))
-    else:
+        scale = f.get_tensor(f"{scales}.u{unit.index}")
+        if dest.dtype == torch.uint8:
+            dest.copy_(saved)
+            state.shard_view(scales, unit).copy_(scale)
+        else:
+            dest.copy_(cpu_adam.dequantize_moment(saved, scale, signed=signed))
+    elif dest.dtype == torch.uint8:
         cpu_adam.quantize_moment(saved.float(), signed=signed, codes=dest,
-                                 scale=_unit_view(state, unit, MOMENT_SCALES[region]))
+                                 scale=state.shard_view(scales, unit))
+    else:
+        dest.copy_(saved)  # FP32 or BF16 either side: copy_ rounds to nearest even
 
 
 def read_master(layout: StateLayout, directory: str) -> Iterator[tuple[str, torch.Tensor]]:
