@@ -72,18 +72,18 @@ class Workload:
         self.copy_dst = torch.empty(n)
         self.bf16_master = self.param.bfloat16()
         self.fp32_grad = self.grad.float()
-        self.bf16_moments = (torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))
+        self.bf16_moments = {"exp_avg": torch.zeros(n, dtype=torch.bfloat16),
+                             "exp_avg_sq": torch.zeros(n, dtype=torch.bfloat16)}
         k = cpu_adam.moment_scales(n)
         self.moments_8bit = {"exp_avg": torch.zeros(n, dtype=torch.uint8), "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
                              "exp_avg_scale": torch.zeros(k), "exp_avg_sq_scale": torch.zeros(k)}
 
     def _kernel_step(self, param: torch.Tensor, grad: torch.Tensor, threads: int,
                      bf16_out: torch.Tensor | None = None,
-                     moments: tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor] | None = None) -> None:
+                     moments: dict[str, torch.Tensor] | None = None) -> None:
+        """One step; `moments` are adam_update's moment arguments (default: the FP32 ones)."""
         self.steps += 1
-        moments = moments or (self.exp_avg, self.exp_avg_sq)
-        if not isinstance(moments, dict):
-            moments = dict(zip(("exp_avg", "exp_avg_sq"), moments))
+        moments = moments or {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         cpu_adam.adam_update(param, grad, **moments, step=self.steps, lr=1e-4, beta1=0.9,
                              beta2=0.95, eps=1e-8, weight_decay=0.1, bf16_out=bf16_out, num_threads=threads)
 
@@ -104,7 +104,6 @@ class Workload:
     def bf16_moments_update(self, threads: int) -> None:
         self._kernel_step(self.param, self.grad, threads, bf16_out=self.bf16_out,
                           moments=self.bf16_moments)
-
 
     def moments_8bit_update(self, threads: int) -> None:
         self._kernel_step(self.param, self.grad, threads, bf16_out=self.bf16_out, moments=self.moments_8bit)
