@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.rank_exit import assert_no_gloo_thread_left
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SESSION_CACHE = ""
 
@@ -112,6 +114,8 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, args: tuple,
         # child owns.
         buffer = io.BytesIO()
         torch.save(fn(rank, world, *args), buffer)
+        dist.destroy_process_group()
+        assert_no_gloo_thread_left()
         results.put((rank, buffer.getvalue(), None))
     except BaseException:
         results.put((rank, None, traceback.format_exc()))

@@ -830,25 +830,11 @@ def test_a_failing_step_ends_every_rank_promptly(tmp_path, delivery, max_norm, e
 
 
 NO_THREAD_LEFT = """
-import os, time, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 from models.flavors import get_flavor
 from slidedp.engine import SlideDPBackend
+from tests.rank_exit import assert_no_gloo_thread_left, gloo_threads
 from tests.slidedp_worker import make_config
-
-
-def gloo_threads(expected: int) -> int:
-    # A joined thread may linger in /proc for a moment.
-    for _ in range(100):
-        names = []
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
-            except OSError:
-                pass  # it has just exited
-        if names.count("pt_gloo_runloop") == expected:
-            break
-        time.sleep(0.01)
-    return names.count("pt_gloo_runloop")
 
 
 dist.init_process_group("gloo")
@@ -863,7 +849,7 @@ backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel() * world)
 backend.close()
 assert gloo_threads(default) == default  # the backend's groups are gone (it is still referenced)
 dist.destroy_process_group()
-assert gloo_threads(0) == 0  # the default group too: nothing holds it past destroy
+assert_no_gloo_thread_left()  # the default group too: nothing holds it past destroy
 """
 
 

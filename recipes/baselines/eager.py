@@ -8,6 +8,7 @@ is a plain sum, so the gradient is exactly the single-process gradient of the gl
 Activation checkpointing: recipes/baselines/activation_checkpoint.py.
 """
 
+import gc
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -184,8 +185,29 @@ class EagerBackend:
 
     def close(self) -> None:
         del self.optimizer, self.params, self.model
+        if self.sharded:
+            _release_dtensor_caches()
+            gc.collect()  # FSDP2's modules sit in reference cycles that hold the mesh too
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _release_dtensor_caches() -> None:
+    """Empty DTensor's module-level caches, which keep every DeviceMesh FSDP2 used, and with it
+    the process group, alive for the life of the process. destroy_process_group() joins a group's
+    threads only once nothing references it; left referenced, gloo's threads run into interpreter
+    exit, where one that needs the GIL aborts the rank ("terminate called without an active
+    exception"). Private functions of torch (no public one exists): those a torch lacks are
+    skipped, and the tests check that no gloo thread is left after destroy_process_group()."""
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+
+    for clear in (getattr(debug, "_clear_fast_path_sharding_prop_cache", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+                  getattr(getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh",
+                                  None), "cache_clear", None)):
+        if clear is not None:
+            clear()
 
 
 def build_single_backend(config: JobConfig, args: QwenArgs, *,
