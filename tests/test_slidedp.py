@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from protocols.reconfigure import Knobs
 from recipes.baselines.eager import build_single_backend
 from recipes.config import JobConfig
@@ -721,11 +721,12 @@ def _shmem_bytes() -> int:
 
 KILLED_RANK = """
 import os, signal, sys, torch
-from models.args import QwenArgs
+from dataclasses import replace
+from protocols.model_spec import get_flavor
 from slidedp.host_state import HostStatePlan, SharedHostState
 from slidedp.layout import StateLayout
-args = QwenArgs(family="qwen3", dim=512, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64,
-                hidden_dim=1536, vocab_size=32768, qk_norm=True, qkv_bias=False, tie_embeddings=False)
+args = replace(get_flavor("qwen3-debug"), dim=512, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64,
+               hidden_dim=1536, vocab_size=32768, tie_embeddings=False)
 plan = HostStatePlan(bf16_shadow=True, grad_bf16=False, grad_accum=False, cpu_staging=False)
 state = SharedHostState(StateLayout(args, world=1), plan, rank=0, world=1, share=lambda s: s,
                         barrier=lambda: None, pin=False)
@@ -755,12 +756,12 @@ def test_shared_state_is_released_when_a_rank_is_killed():
 def test_host_state_starts_from_a_hugging_face_checkpoint(tmp_path, flavor):
     """model.hf_dir streams the checkpoint into the shared FP32 master (and BF16 shadow)."""
     from models.hf_checkpoint import save_hf_checkpoint
-    from models.qwen import QwenModel
+    from protocols.model_spec import spec_of
     from slidedp.engine import SlideDPBackend
 
     args = get_flavor(flavor)
     torch.manual_seed(123)
-    model = QwenModel(args)
+    model = spec_of(args).model_cls(args)
     model.init_weights()
     save_hf_checkpoint(model.named_parameters(), args, tmp_path / "hf", dtype=torch.float32,
                        max_shard_bytes=2**17)
@@ -780,7 +781,7 @@ def test_host_state_starts_from_a_hugging_face_checkpoint(tmp_path, flavor):
 
 FAILING_STEP = """
 import sys, torch, torch.distributed as dist
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from slidedp.engine import SlideDPBackend
 from tests.slidedp_worker import make_config
 dist.init_process_group("gloo")
@@ -831,7 +832,7 @@ def test_a_failing_step_ends_every_rank_promptly(tmp_path, delivery, max_norm, e
 
 NO_THREAD_LEFT = """
 import os, time, torch, torch.distributed as dist
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from slidedp.engine import SlideDPBackend
 from tests.slidedp_worker import make_config
 
@@ -964,7 +965,7 @@ def test_a_large_models_units_are_drawn_at_once_as_drawn_one_by_one(monkeypatch)
     draw several units at once: every unit's master is what its own generator draws alone, in
     the unit's parameter order, and the shadow is its BF16 copy."""
     import slidedp.engine as engine
-    from models.qwen import init_parameter
+    from protocols.model_spec import spec_of
 
     monkeypatch.setattr(engine, "PARALLEL_INIT_PARAMS", 0)
     args = get_flavor("qwen3-debug")
@@ -976,7 +977,7 @@ def test_a_large_models_units_are_drawn_at_once_as_drawn_one_by_one(monkeypatch)
             gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
             for p in unit.params:
                 want = torch.empty(p.shape)
-                init_parameter(p.name, want, generator=gen)
+                spec_of(args).init_parameter(p.name, want, generator=gen)
                 assert torch.equal(backend._master_view(p.name), want), p.name
             assert torch.equal(backend.state.unit_view("shadow", unit.index),
                                backend.state.unit_view("master", unit.index).bfloat16())

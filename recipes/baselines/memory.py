@@ -22,7 +22,7 @@ for BF16, 4 for FP32):
 
 import math
 
-from models.args import QwenArgs
+from protocols.model_spec import ModelArgs
 from recipes.config import JobConfig
 from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.plan.memory import CachedOutputs, Footprint
@@ -40,7 +40,7 @@ CHECKPOINTING = {"none": KEEP, "full": RECOMPUTE, "selective": OP_SELECTIVE}
 """activation_checkpoint.mode -> what each block keeps."""
 
 
-def baseline_footprint(config: JobConfig, args: QwenArgs, *, world: int) -> Footprint:
+def baseline_footprint(config: JobConfig, args: ModelArgs, *, world: int) -> Footprint:
     """The resident bytes and gradients of `config`'s mode (module docstring), its blocks'
     checkpointing, and its compute dtype (DeepSpeed always computes in BF16)."""
     mode, n = config.parallelism.mode, args.num_params()
