@@ -271,6 +271,20 @@ def test_three_ranks_untied_qwen25(request, slidedp_runs):
     assert sharded["traffic_d2h_mb"] * 3 == pytest.approx(replicated["traffic_d2h_mb"])
 
 
+CASES["test_two_ranks_llama3"] = Case(
+    2, "llama3-debug", steps=2, accum=2, max_norm=0.5, variants=[
+        {"delivery": "sharded", "reduction": "gpu", "activation": "selective"}])
+
+
+def test_two_ranks_llama3(request, slidedp_runs):
+    """A second model family through the seam (models/llama3/): untied, llama3 RoPE scaling,
+    no QK-norm, on the spec's units, embedding and head step."""
+    case, results = slidedp_runs(request.node.name)
+    ref_losses, ref_weights = single_reference(world=2, **case.kw)
+    assert_matches_reference(results, ref_losses, ref_weights)
+    assert "lm_head.weight" in ref_weights and not any("q_norm" in n for n in ref_weights)
+
+
 def assert_bit_identical(a: dict, b: dict) -> None:
     """Two runs that differ only in slidedp.update_order: the same losses, norms and weights,
     bit for bit."""
