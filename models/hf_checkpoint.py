@@ -334,8 +334,8 @@ def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], args: 
                        max_shard_bytes: int = 5 * 2**30,
                        copy_tokenizer_from: PathLike | None = None,
                        source_config: dict[str, Any] | None = None) -> None:
-    """Write a Hugging Face model directory from (model parameter name, full tensor) pairs, streaming
-    shard by shard. Everything goes to `out_dir.tmp` first and is renamed into place at the end,
+    """Write a Hugging Face model directory from (model parameter name, full tensor) pairs,
+    streaming shard by shard. Everything goes to `out_dir.tmp` first and is renamed into place at the end,
     so a crash never leaves a directory that looks complete; an existing `out_dir` is replaced."""
     out = Path(out_dir).absolute()  # so "." or "x/" still have a name to suffix
     tmp = out.with_name(out.name + ".tmp")

@@ -1,7 +1,8 @@
 """The config.json fields every decoder of models/ shares with Hugging Face's (hidden_size,
-num_hidden_layers, ..., rope_scaling); a family's adapter adds its own (models/<name>/hf_adapter.py)."""
+num_hidden_layers, ..., rope_scaling); a family's adapter adds its own
+(models/<name>/hf_adapter.py)."""
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -9,6 +10,15 @@ from models.rope import rope_scaling_from_hf, rope_scaling_to_hf
 from protocols.model_spec import ModelArgs
 
 REQUIRED = object()
+
+
+class DecoderArgs(ModelArgs, Protocol):
+    """The args of a decoder whose config.json these fields describe."""
+
+    hidden_dim: int
+    """SwiGLU intermediate size (`intermediate_size`)."""
+    norm_eps: float
+    """RMSNorm epsilon (`rms_norm_eps`)."""
 
 
 def field(cfg: dict[str, Any], key: str, *, origin: str, default: Any = REQUIRED) -> Any:
@@ -54,7 +64,7 @@ def decoder_fields(cfg: dict[str, Any], *, origin: str, head_dim_required: bool,
     )
 
 
-def decoder_config(args: ModelArgs, *, dtype: torch.dtype, source_config: dict[str, Any] | None,
+def decoder_config(args: DecoderArgs, *, dtype: torch.dtype, source_config: dict[str, Any] | None,
                    defaults: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     """config.json contents: the family's `defaults`, then `source_config`'s keys (bos/eos ids,
     transformers_version, ...), then the shared architecture keys and the family's `ours`."""

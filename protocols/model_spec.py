@@ -21,21 +21,31 @@ UnitParams = list[tuple[str, str, torch.Size]]
 
 
 class ModelArgs(Protocol):
-    """The hyper-parameters of one flavor, as the runtime and the planner read them."""
+    """The hyper-parameters of one flavor, as the runtime, the planner and the recipes read them
+    (a family's own, e.g. its MLP width, stay with its spec)."""
 
     family: str
+    """Finds the flavor's spec again (`spec_of`)."""
     dim: int
+    """Width of the residual stream (the embedding's columns)."""
     n_layers: int
+    """Transformer blocks: the units between the embedding and the head."""
     n_heads: int
+    """Query heads (attention FLOPs, the SDPA kernel choice)."""
     n_kv_heads: int
+    """Key/value heads (the SDPA kernel choice)."""
     head_dim: int
-    hidden_dim: int
+    """Per-head size (RoPE tables, attention FLOPs)."""
     vocab_size: int
+    """Embedding rows and head width (the loss chunk's logits)."""
     tie_embeddings: bool
+    """The head is the embedding (no head weight of its own)."""
     rope_theta: float
-    norm_eps: float
+    """RoPE base frequency."""
     max_position_embeddings: int
+    """The published context (what RoPE scalings stretch)."""
     rope_scaling: Any
+    """A models/rope.py RopeScaling, or None."""
 
     def max_positions(self) -> int: ...
 
@@ -82,7 +92,8 @@ class SavedTensors:
     saves: Callable[[ModelArgs, str], dict[str, frozenset[str]]]
     """(args, kernels "torch" or "liger") -> segment -> what its ops save when it is kept."""
     op_outputs: Mapping[str, tuple[str, ...]]
-    """The outputs of each op class of slidedp/activations/policy.py's OP_CLASSES."""
+    """The outputs of each op class of slidedp/activations/policy.py's OP_CLASSES, in forward
+    order."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +121,8 @@ class ModelSpec:
     """The flavor dataclass."""
     model_cls: Callable[..., nn.Module]
     """(args, kernels) -> the whole model: `forward(tokens)` the final hidden states,
-    `loss_sum(hidden, labels, chunk_tokens=)`, `init_weights()`."""
+    `loss_sum(hidden, labels, chunk_tokens=)`, `init_weights()`, and its blocks as `layers`
+    (the baselines shard and checkpoint them one by one)."""
     block_cls: Callable[..., nn.Module]
     """(args, kernels) -> one transformer block: `forward(x, cos, sin)`,
     `run_segments(names, state, cos, sin)` and `segments` (= `segments` below), the unit that

@@ -2,10 +2,10 @@
 
 The model is cut into *units* (its spec's `units`): the embedding, each transformer block, and
 the head (final norm + untied LM head). A unit's parameters are concatenated into one flat range,
-padded so that it splits into `world` equal, aligned shards; rank r owns shard r of every unit (it reduces, returns
-and updates that slice), or with `sole_owner` (SlideFormer-style) rank 0 owns every unit. The
-layout is independent of the delivery/reduction route, so routes can change per run (or per
-layer) without touching the state.
+padded so that it splits into `world` equal, aligned shards; rank r owns shard r of every unit
+(it reduces, returns and updates that slice), or with `sole_owner` (SlideFormer-style) rank 0 owns
+every unit. The layout is independent of the delivery/reduction route, so routes can change per
+run (or per layer) without touching the state.
 """
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
-"""Round trips between the Qwen model and Hugging Face model directories (config.json + safetensors)."""
+"""Round trips between the Qwen model and Hugging Face model directories (config.json +
+safetensors)."""
 
 import dataclasses
 import json
@@ -311,8 +312,8 @@ def test_config_errors(tmp_path: Path) -> None:
         read_hf_config(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="config.json: not found"):
         read_hf_config(tmp_path)
-    (tmp_path / CONFIG_FILE).write_text(json.dumps({**QWEN3_8B_CONFIG, "model_type": "llama"}))
-    with pytest.raises(ValueError, match="config.json: unsupported model_type 'llama'"):
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({**QWEN3_8B_CONFIG, "model_type": "mistral"}))
+    with pytest.raises(ValueError, match="config.json: unsupported model_type 'mistral'"):
         read_hf_config(tmp_path)
     cfg = {k: v for k, v in QWEN3_8B_CONFIG.items() if k != "intermediate_size"}
     (tmp_path / CONFIG_FILE).write_text(json.dumps(cfg))

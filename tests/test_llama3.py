@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.hf_checkpoint import load_hf_into_model, match_flavor, read_hf_config, save_hf_checkpoint
+from models.hf_checkpoint import (args_from_hf_config, load_hf_into_model, match_flavor,
+                                  read_hf_config, save_hf_checkpoint, to_hf_config)
 from protocols.model_spec import get_flavor, get_model_spec, spec_of
 
 transformers = pytest.importorskip("transformers")
@@ -73,8 +74,6 @@ def test_hugging_face_llama_round_trips_and_gives_the_same_logits(tmp_path: Path
 def test_published_flavors_match_their_model_cards(flavor: str):
     """Parameter counts of the built (meta) models and of the args; the HF config we write reads
     back as the same flavor."""
-    from models.hf_checkpoint import args_from_hf_config, to_hf_config
-
     args = get_flavor(flavor)
     with torch.device("meta"):
         model = LLAMA.model_cls(args)

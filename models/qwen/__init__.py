@@ -3,7 +3,7 @@
 from models.qwen.args import QwenArgs
 from models.qwen.flavors import FLAVORS, PUBLISHED_BILLIONS
 from models.qwen.hf_adapter import QwenHFAdapter
-from models.qwen.model import (BLOCK_SEGMENTS, HeadLoss, QwenModel, TransformerBlock, embed,
+from models.qwen.model import (BLOCK_SEGMENTS, QwenModel, StreamedHead, TransformerBlock, embed,
                                init_parameter, units)
 from models.qwen.segments import FLOPS, SAVED
 from models.rope import rope_tables
@@ -17,6 +17,6 @@ def model_spec() -> ModelSpec:
     return ModelSpec(name="qwen", families=("qwen3", "qwen2.5"), args_cls=QwenArgs,
                      model_cls=QwenModel, block_cls=TransformerBlock, flavors=FLAVORS,
                      published_billions=PUBLISHED_BILLIONS, segments=BLOCK_SEGMENTS, saved=SAVED,
-                     flops=FLOPS, units=units, embed=embed, head_loss=HeadLoss,
+                     flops=FLOPS, units=units, embed=embed, head_loss=StreamedHead,
                      init_parameter=init_parameter, rope_tables=rope_tables,
                      hf=QwenHFAdapter())

@@ -10,7 +10,7 @@ class QwenArgs:
     """One Qwen flavor: everything needed to build the network and count its size."""
 
     family: str
-    """"qwen3" or "qwen2.5" (or a family of a spec built on this decoder, models/llama3); finds the
+    """"qwen3" or "qwen2.5", or the family of another spec built on this decoder; finds the
     flavor's ModelSpec, whose adapter writes the Hugging Face `model_type` on save."""
     dim: int
     """Hidden size (HF `hidden_size`)."""

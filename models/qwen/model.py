@@ -225,7 +225,7 @@ def embed(weights: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tenso
     return F.embedding(tokens, weights["weight"])
 
 
-class HeadLoss:
+class StreamedHead:
     """The head unit's forward and loss on streamed weights: final norm, the LM head (the
     embedding's weight when tied), the chunked or fused cross-entropy."""
 

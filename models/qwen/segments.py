@@ -2,9 +2,9 @@
 kernel paths, and its FLOPs (slidedp/plan/memory.py and workload.py turn them into bytes and
 seconds).
 
-FLOPs per token of a block's segments (forward): qkv 2·dim·(q + 2·kv), attention_core 2·seq·q
-(causal), o_proj 2·q·dim, mlp_up 4·dim·hidden, down_proj 2·hidden·dim; the norms, QK-norm + RoPE
-and SwiGLU count none (q = n_heads·head_dim, kv = n_kv_heads·head_dim).
+FLOPs per token of a block's segments (forward): qkv 2·dim·(q + 2·kv), attention_core
+2·seq·q (causal), o_proj 2·q·dim, mlp_up 4·dim·hidden, down_proj 2·hidden·dim; the norms, QK-norm
++ RoPE and SwiGLU count none (q = n_heads·head_dim, kv = n_kv_heads·head_dim).
 
 Widths: dim; q = n_heads x head_dim; kv = n_kv_heads x head_dim; hidden = the MLP's width; heads
 and kv_heads (the per-row FP32 log-sum-exp and inverse RMS); the tables 2 x head_dim per position.

@@ -214,9 +214,9 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class CachedOutputs:
-    """A block checkpoint that caches the named op outputs (SavedTensors.tensors) beside its input: the
-    GPU-resident modes' op-level "selective" (recipes/baselines/memory.py). No SlideDP policy;
-    only its memory is modelled."""
+    """A block checkpoint that caches the named op outputs (SavedTensors.tensors) beside its
+    input: the GPU-resident modes' op-level "selective" (recipes/baselines/memory.py). No
+    SlideDP policy; only its memory is modelled."""
 
     outputs: frozenset[str]
     base: str = "cached_outputs"
