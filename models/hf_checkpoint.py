@@ -6,7 +6,7 @@ A model directory is what `huggingface-cli download Qwen/Qwen3-8B` produces: con
 one shard at a time, so host memory never holds a second copy of the model.
 
 Names inside this module are the model's (`layers.0.mlp.up_proj.weight`); the files use HF's,
-which add a `model.` prefix to everything but `lm_head.weight`.
+which the family's adapter maps them to and back (models/hf_config.py: CausalLMNames).
 """
 
 import dataclasses
@@ -34,9 +34,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "generation_config.json", "special_tokens_map.json")
-
-_HEAD = "lm_head.weight"
-_PREFIX = "model."
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -133,13 +130,14 @@ def _checkpoint_files(path: Path) -> list[Path]:
 def _locate_tensors(model_dir: PathLike) -> dict[str, _Entry]:
     """Where each tensor lives, in file order, read from the safetensors headers only."""
     path = _model_path(model_dir)
-    tied = read_hf_config(path).tie_embeddings
+    args = read_hf_config(path)
+    hf = spec_of(args).hf
     entries: dict[str, _Entry] = {}
     for file in _checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                name = key.removeprefix(_PREFIX)
-                if tied and name == _HEAD:
+                name = hf.from_hf_name(key)
+                if args.tie_embeddings and name == hf.head:
                     continue  # some tied exports still write the head; it is the embedding
                 if name in entries:
                     raise ValueError(f"{path}: tensor {key!r} is in both {entries[name].file.name} "
@@ -289,16 +287,16 @@ def _check_save_name(name: str, shape: torch.Size, expected: dict[str, torch.Siz
 
 def _write_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, out: Path,
                    *, dtype: torch.dtype, max_shard_bytes: int) -> None:
-    expected = param_shapes(args)
+    expected, hf = param_shapes(args), spec_of(args).hf
     writer = _ShardWriter(out, max_shard_bytes=max_shard_bytes)
     seen: set[str] = set()
     for name, tensor in named_tensors:
-        if args.tie_embeddings and name == _HEAD:
+        if args.tie_embeddings and name == hf.head:
             continue  # the head is the embedding; HF tied checkpoints omit it
         _check_save_name(name, tensor.shape, expected, seen)
         seen.add(name)
         # A fresh contiguous CPU copy: safetensors refuses views that share storage (flat buffers).
-        writer.add(name if name == _HEAD else _PREFIX + name,
+        writer.add(hf.to_hf_name(name),
                    tensor.detach().to("cpu", dtype=dtype, memory_format=torch.contiguous_format,
                                       copy=True))
     missing = sorted(expected.keys() - seen)

@@ -12,6 +12,20 @@ from protocols.model_spec import ModelArgs
 REQUIRED = object()
 
 
+class CausalLMNames:
+    """Hugging Face *ForCausalLM tensor names: the model's behind a `model.` prefix, but the
+    head's."""
+
+    head = "lm_head.weight"
+    """The output head, which a tied checkpoint omits (it is the embedding)."""
+
+    def to_hf_name(self, name: str) -> str:
+        return name if name == self.head else "model." + name
+
+    def from_hf_name(self, key: str) -> str:
+        return key.removeprefix("model.")
+
+
 class DecoderArgs(ModelArgs, Protocol):
     """The args of a decoder whose config.json these fields describe."""
 

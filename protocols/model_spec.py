@@ -59,9 +59,16 @@ class ModelArgs(Protocol):
 
 
 class HFAdapter(Protocol):
-    """A family's Hugging Face config.json (tensor names are HF's CausalLM ones less `model.`)."""
+    """A family's Hugging Face checkpoint format: its config.json and its tensor names."""
 
     model_types: tuple[str, ...]
+    """The config.json `model_type` values it reads."""
+    head: str
+    """The model's name of the output head, which a tied checkpoint omits."""
+
+    def to_hf_name(self, name: str) -> str: ...
+
+    def from_hf_name(self, key: str) -> str: ...
 
     def args_from_hf_config(self, cfg: dict[str, Any], *, origin: str) -> ModelArgs: ...
 

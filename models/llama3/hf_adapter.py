@@ -4,7 +4,7 @@ from typing import Any
 
 import torch
 
-from models.hf_config import decoder_config, decoder_fields
+from models.hf_config import CausalLMNames, decoder_config, decoder_fields
 from models.qwen.args import QwenArgs
 
 
@@ -17,7 +17,7 @@ def _check_supported(cfg: dict[str, Any], *, origin: str) -> None:
         raise ValueError(f"{origin}: hidden_act {cfg['hidden_act']!r} is not supported")
 
 
-class LlamaHFAdapter:
+class LlamaHFAdapter(CausalLMNames):
     """Reads and writes the config.json of Llama 3 checkpoints."""
 
     model_types = ("llama",)

@@ -4,7 +4,7 @@ from typing import Any
 
 import torch
 
-from models.hf_config import decoder_config, decoder_fields
+from models.hf_config import CausalLMNames, decoder_config, decoder_fields
 from models.qwen.args import QwenArgs
 
 _FAMILY_OF_MODEL_TYPE = {"qwen3": "qwen3", "qwen2": "qwen2.5"}
@@ -21,7 +21,7 @@ def _check_supported(cfg: dict[str, Any], family: str, *, origin: str) -> None:
         raise ValueError(f"{origin}: attention_bias=true is not supported for qwen3")
 
 
-class QwenHFAdapter:
+class QwenHFAdapter(CausalLMNames):
     """Reads and writes the config.json of Qwen3 and Qwen2.5 checkpoints."""
 
     model_types = tuple(_FAMILY_OF_MODEL_TYPE)
