@@ -1,7 +1,5 @@
-"""Qwen3 and Qwen2.5 model definitions, flavors, the chunked loss and Hugging Face checkpoint I/O."""
+"""Model families, one package each; protocols/model_spec.py looks a family's ModelSpec up here.
+Shared pieces beside them: the kernels switch, RoPE, the chunked loss, Hugging Face I/O."""
 
-from models.args import QwenArgs
-from models.flavors import FLAVORS, get_flavor
-from models.qwen import QwenModel, TransformerBlock
-
-__all__ = ["FLAVORS", "QwenArgs", "QwenModel", "TransformerBlock", "get_flavor"]
+SUPPORTED_MODELS = ("qwen", "llama3")
+"""The packages under models/ whose `model_spec()` the registry returns (one line per family)."""

@@ -5,8 +5,8 @@ A model directory is what `huggingface-cli download Qwen/Qwen3-8B` produces: con
 `model.safetensors.index.json`, and tokenizer files. Loading moves one tensor at a time and saving
 one shard at a time, so host memory never holds a second copy of the model.
 
-Names inside this module are QwenModel's (`layers.0.mlp.up_proj.weight`); the files use HF's,
-which add a `model.` prefix to everything but `lm_head.weight`.
+Names inside this module are the model's (`layers.0.mlp.up_proj.weight`); the files use HF's,
+which the family's adapter maps them to and back (models/hf_config.py: CausalLMNames).
 """
 
 import dataclasses
@@ -23,10 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from models.args import QwenArgs
-from models.flavors import FLAVORS
-from models.qwen import QwenModel
-from models.rope import rope_scaling_from_hf, rope_scaling_to_hf
+from protocols.model_spec import ModelArgs, spec_of, spec_of_model_type
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +34,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "generation_config.json", "special_tokens_map.json")
-
-_FAMILY_OF_MODEL_TYPE = {"qwen3": "qwen3", "qwen2": "qwen2.5"}
-_MODEL_TYPE_OF_FAMILY = {"qwen3": "qwen3", "qwen2.5": "qwen2"}
-_ARCHITECTURE_OF_FAMILY = {"qwen3": "Qwen3ForCausalLM", "qwen2.5": "Qwen2ForCausalLM"}
-_HEAD = "lm_head.weight"
-_PREFIX = "model."
-_REQUIRED = object()
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -75,130 +65,40 @@ def load_config_json(model_dir: PathLike) -> dict[str, Any]:
     return _read_json(path)
 
 
-def _field(cfg: dict[str, Any], key: str, *, origin: str, default: Any = _REQUIRED) -> Any:
-    if cfg.get(key) is not None:
-        return cfg[key]
-    if default is _REQUIRED:
-        raise ValueError(f"{origin}: missing field {key!r}")
-    return default
+def args_from_hf_config(cfg: dict[str, Any], *, origin: str = CONFIG_FILE) -> ModelArgs:
+    """A flavor's args from a parsed config.json, by the spec that reads its model_type;
+    `origin` names the file in error messages."""
+    spec = spec_of_model_type(cfg.get("model_type"), origin=origin)
+    return spec.hf.args_from_hf_config(cfg, origin=origin)
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    # transformers >= 5 nests it in `rope_parameters`; 10000 is HF's default when absent.
-    nested = cfg.get("rope_parameters") or {}
-    return float(cfg.get("rope_theta") or nested.get("rope_theta") or 10000.0)
-
-
-def _check_supported(cfg: dict[str, Any], family: str, *, origin: str) -> None:
-    """Reject HF options that QwenModel does not implement, rather than train a different net
-    (RoPE scalings are checked by models/rope.py)."""
-    if cfg.get("use_sliding_window"):
-        raise ValueError(f"{origin}: use_sliding_window=true is not supported")
-    if family == "qwen3" and cfg.get("attention_bias"):
-        raise ValueError(f"{origin}: attention_bias=true is not supported for qwen3")
-
-
-def args_from_hf_config(cfg: dict[str, Any], *, origin: str = CONFIG_FILE) -> QwenArgs:
-    """QwenArgs from a parsed config.json; `origin` names the file in error messages."""
-    model_type = cfg.get("model_type")
-    if model_type not in _FAMILY_OF_MODEL_TYPE:
-        raise ValueError(f"{origin}: unsupported model_type {model_type!r} "
-                         f"(expected one of {sorted(_FAMILY_OF_MODEL_TYPE)})")
-    family = _FAMILY_OF_MODEL_TYPE[model_type]
-    _check_supported(cfg, family, origin=origin)
-    dim = int(_field(cfg, "hidden_size", origin=origin))
-    n_heads = int(_field(cfg, "num_attention_heads", origin=origin))
-    # Qwen2 configs carry no head_dim (HF derives it); Qwen3 decouples it, so it must be given.
-    head_dim = _field(cfg, "head_dim", origin=origin,
-                      default=dim // n_heads if family == "qwen2.5" else _REQUIRED)
-    qwen3 = family == "qwen3"
-    # Defaults below are transformers' Qwen2Config / Qwen3Config defaults.
-    max_positions = int(_field(cfg, "max_position_embeddings", origin=origin, default=32768))
-    return QwenArgs(
-        family=family,
-        dim=dim,
-        n_layers=int(_field(cfg, "num_hidden_layers", origin=origin)),
-        n_heads=n_heads,
-        n_kv_heads=int(_field(cfg, "num_key_value_heads", origin=origin)),
-        head_dim=int(head_dim),
-        hidden_dim=int(_field(cfg, "intermediate_size", origin=origin)),
-        vocab_size=int(_field(cfg, "vocab_size", origin=origin)),
-        qk_norm=qwen3,
-        qkv_bias=not qwen3,
-        tie_embeddings=bool(_field(cfg, "tie_word_embeddings", origin=origin, default=False)),
-        rope_theta=_rope_theta(cfg),
-        norm_eps=float(_field(cfg, "rms_norm_eps", origin=origin, default=1e-6)),
-        max_position_embeddings=max_positions,
-        rope_scaling=rope_scaling_from_hf(cfg, max_position_embeddings=max_positions,
-                                          origin=origin),
-    )
-
-
-def read_hf_config(model_dir: PathLike) -> QwenArgs:
-    """QwenArgs of a Hugging Face model directory, parsed from its config.json."""
+def read_hf_config(model_dir: PathLike) -> ModelArgs:
+    """ModelArgs of a Hugging Face model directory, parsed from its config.json."""
     return args_from_hf_config(load_config_json(model_dir),
                                origin=str(Path(model_dir) / CONFIG_FILE))
 
 
-def match_flavor(args: QwenArgs) -> str | None:
-    """Name of the FLAVORS entry with the same architecture (context length and RoPE scaling
+def match_flavor(args: ModelArgs) -> str | None:
+    """Name of the spec's flavor with the same architecture (context length and RoPE scaling
     ignored), if any."""
     key = dataclasses.replace(args, max_position_embeddings=0, rope_scaling=None)
-    for name, flavor in FLAVORS.items():
+    for name, flavor in spec_of(args).flavors.items():
         if dataclasses.replace(flavor, max_position_embeddings=0, rope_scaling=None) == key:
             return name
     return None
 
 
-def to_hf_config(args: QwenArgs, *, dtype: torch.dtype = torch.bfloat16,
+def to_hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.bfloat16,
                  source_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """config.json contents for transformers' Qwen3Config / Qwen2Config. Extra keys of
-    `source_config` (bos/eos ids, transformers_version, ...) are kept; architecture keys are
-    always ours."""
-    qwen3 = args.family == "qwen3"
-    hf_layout = (args.qk_norm, args.qkv_bias) == (qwen3, not qwen3)
-    if args.family not in _MODEL_TYPE_OF_FAMILY or not hf_layout:
-        raise ValueError(f"{args.family} with qk_norm={args.qk_norm}, qkv_bias={args.qkv_bias} "
-                         "has no Hugging Face architecture")
-    dtype_name = str(dtype).removeprefix("torch.")
-    defaults = {"attention_dropout": 0.0, "initializer_range": 0.02,
-                "max_window_layers": args.n_layers, "sliding_window": None, "use_cache": True}
-    ours = {
-        "architectures": [_ARCHITECTURE_OF_FAMILY[args.family]],
-        "model_type": _MODEL_TYPE_OF_FAMILY[args.family],
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "intermediate_size": args.hidden_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_position_embeddings,
-        "rope_scaling": rope_scaling_to_hf(args.rope_scaling),
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "use_sliding_window": False,
-        # transformers < 4.56 reads "torch_dtype", later versions "dtype"; write both.
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
-    }
-    if qwen3:
-        ours["attention_bias"] = False
-    config = {**defaults, **(source_config or {}), **ours}
-    # transformers lets a top-level one override rope_scaling's; ours is in rope_scaling.
-    config.pop("original_max_position_embeddings", None)
-    if isinstance(config.get("rope_parameters"), dict):  # transformers 5's spelling, kept in step
-        config["rope_parameters"] = {"rope_theta": args.rope_theta,
-                                     **(ours["rope_scaling"] or {"rope_type": "default"})}
-    return dict(sorted(config.items()))
+    """config.json contents for `args` (its spec's adapter). Extra keys of `source_config`
+    (bos/eos ids, transformers_version, ...) are kept; architecture keys are always ours."""
+    return spec_of(args).hf.to_hf_config(args, dtype=dtype, source_config=source_config)
 
 
-def param_shapes(args: QwenArgs) -> dict[str, torch.Size]:
-    """Name -> shape of every QwenModel parameter, built on the meta device (no memory)."""
+def param_shapes(args: ModelArgs) -> dict[str, torch.Size]:
+    """Name -> shape of every parameter of `args`'s model, built on the meta device (no memory)."""
     with torch.device("meta"):
-        model = QwenModel(args)
+        model = spec_of(args).model_cls(args)
     return {name: p.shape for name, p in model.named_parameters()}
 
 
@@ -230,13 +130,14 @@ def _checkpoint_files(path: Path) -> list[Path]:
 def _locate_tensors(model_dir: PathLike) -> dict[str, _Entry]:
     """Where each tensor lives, in file order, read from the safetensors headers only."""
     path = _model_path(model_dir)
-    tied = read_hf_config(path).tie_embeddings
+    args = read_hf_config(path)
+    hf = spec_of(args).hf
     entries: dict[str, _Entry] = {}
     for file in _checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                name = key.removeprefix(_PREFIX)
-                if tied and name == _HEAD:
+                name = hf.from_hf_name(key)
+                if args.tie_embeddings and name == hf.head:
                     continue  # some tied exports still write the head; it is the embedding
                 if name in entries:
                     raise ValueError(f"{path}: tensor {key!r} is in both {entries[name].file.name} "
@@ -300,7 +201,7 @@ def _checked_entries(model_dir: PathLike, expected: dict[str, torch.Size], *,
     return entries
 
 
-def check_hf_tensors(model_dir: PathLike, args: QwenArgs) -> None:
+def check_hf_tensors(model_dir: PathLike, args: ModelArgs) -> None:
     """Raise (FileNotFoundError, ValueError or safetensors' SafetensorError) unless the
     safetensors files exist and their headers hold exactly the tensors of `args`'s model; reads
     headers only, so a run can check its checkpoint before anything is allocated."""
@@ -384,18 +285,18 @@ def _check_save_name(name: str, shape: torch.Size, expected: dict[str, torch.Siz
                          f"{tuple(expected[name])}")
 
 
-def _write_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], args: QwenArgs, out: Path,
+def _write_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs, out: Path,
                    *, dtype: torch.dtype, max_shard_bytes: int) -> None:
-    expected = param_shapes(args)
+    expected, hf = param_shapes(args), spec_of(args).hf
     writer = _ShardWriter(out, max_shard_bytes=max_shard_bytes)
     seen: set[str] = set()
     for name, tensor in named_tensors:
-        if args.tie_embeddings and name == _HEAD:
+        if args.tie_embeddings and name == hf.head:
             continue  # the head is the embedding; HF tied checkpoints omit it
         _check_save_name(name, tensor.shape, expected, seen)
         seen.add(name)
         # A fresh contiguous CPU copy: safetensors refuses views that share storage (flat buffers).
-        writer.add(name if name == _HEAD else _PREFIX + name,
+        writer.add(hf.to_hf_name(name),
                    tensor.detach().to("cpu", dtype=dtype, memory_format=torch.contiguous_format,
                                       copy=True))
     missing = sorted(expected.keys() - seen)
@@ -426,13 +327,13 @@ def _new_file_mode() -> int:
     return 0o644
 
 
-def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], args: QwenArgs,
+def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], args: ModelArgs,
                        out_dir: PathLike, *, dtype: torch.dtype = torch.bfloat16,
                        max_shard_bytes: int = 5 * 2**30,
                        copy_tokenizer_from: PathLike | None = None,
                        source_config: dict[str, Any] | None = None) -> None:
-    """Write a Hugging Face model directory from (QwenModel name, full tensor) pairs, streaming
-    shard by shard. Everything goes to `out_dir.tmp` first and is renamed into place at the end,
+    """Write a Hugging Face model directory from (model parameter name, full tensor) pairs,
+    streaming shard by shard. Everything goes to `out_dir.tmp` first and is renamed into place at the end,
     so a crash never leaves a directory that looks complete; an existing `out_dir` is replaced."""
     out = Path(out_dir).absolute()  # so "." or "x/" still have a name to suffix
     tmp = out.with_name(out.name + ".tmp")

@@ -11,13 +11,91 @@ base grows with seq_len; shorter sequences use plain RoPE.
 import dataclasses
 import logging
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 import torch
 
-from models.args import ROPE_FIELDS, QwenArgs, RopeScaling
+from protocols.model_spec import ModelArgs
 
 logger = logging.getLogger(__name__)
+
+RopeType = Literal["linear", "dynamic", "yarn", "longrope", "llama3"]
+
+# The fields each type reads (transformers' modeling_rope_utils); every other field keeps its
+# default, so one scaling has one representation.
+ROPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    "longrope": ("factor", "original_max_position_embeddings", "attention_factor",
+                 "short_factor", "long_factor"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+               "high_freq_factor"),
+}
+
+# Of those, the ones without a formula default: a type that reads one needs it.
+_ROPE_REQUIRED = ("original_max_position_embeddings", "short_factor", "long_factor",
+                  "low_freq_factor", "high_freq_factor")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling as a Hugging Face config.json's `rope_scaling` declares it; transformers'
+    `modeling_rope_utils` is the definition, models/rope.py computes it. No scaling is None."""
+
+    rope_type: RopeType
+    """"linear" (positions / factor), "dynamic" (NTK: the base grows once seq_len exceeds
+    max_position_embeddings), "yarn", "longrope" or "llama3"."""
+    factor: float
+    """How many times the original positions the scaling stretches RoPE over (>= 1)."""
+    original_max_position_embeddings: int | None = None
+    """yarn, longrope, llama3: the pre-training positions they scale (linear and dynamic scale
+    max_position_embeddings)."""
+    attention_factor: float | None = None
+    """yarn, longrope: the factor on cos and sin; None: the type's formula of `factor`."""
+    beta_fast: float = 32.0
+    """yarn: frequencies with more rotations than this over the original positions stay."""
+    beta_slow: float = 1.0
+    """yarn: frequencies with fewer rotations than this are divided by factor."""
+    mscale: float | None = None
+    """yarn: attention_factor's numerator coefficient (with mscale_all_dim; DeepSeek's)."""
+    mscale_all_dim: float | None = None
+    """yarn: attention_factor's denominator coefficient (with mscale)."""
+    truncate: bool = True
+    """yarn: round the ramp's bounds to whole dimensions."""
+    low_freq_factor: float | None = None
+    """llama3: wavelengths above original / low_freq_factor are divided by factor."""
+    high_freq_factor: float | None = None
+    """llama3: wavelengths below original / high_freq_factor stay."""
+    short_factor: tuple[float, ...] | None = None
+    """longrope: per-frequency divisors up to the original positions (head_dim / 2 of them)."""
+    long_factor: tuple[float, ...] | None = None
+    """longrope: per-frequency divisors beyond the original positions."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_FIELDS:
+            raise ValueError(f"rope_type must be one of {', '.join(get_args(RopeType))}, "
+                             f"got {self.rope_type!r}")
+        if not self.factor >= 1:
+            raise ValueError(f"{self.rope_type} factor must be >= 1, got {self.factor!r}")
+        used = ROPE_FIELDS[self.rope_type]
+        for f in dataclasses.fields(self):
+            if f.name != "rope_type" and f.name not in used and getattr(self, f.name) != f.default:
+                raise ValueError(f"{self.rope_type} scaling takes no {f.name}")
+        missing = [name for name in used if getattr(self, name) is None
+                   and name in _ROPE_REQUIRED]
+        if missing:
+            raise ValueError(f"{self.rope_type} scaling needs {', '.join(missing)}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError("llama3 scaling needs high_freq_factor > low_freq_factor")
+
+    def describe(self) -> str:
+        """E.g. "yarn x8 over 32,768"."""
+        over = self.original_max_position_embeddings
+        return f"{self.rope_type} x{self.factor:g}" + (f" over {over:,}" if over else "")
+
 
 _COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
@@ -68,7 +146,7 @@ def _llama3(s: RopeScaling, inv: torch.Tensor) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def inv_frequencies(args: QwenArgs, *, seq_len: int,
+def inv_frequencies(args: ModelArgs, *, seq_len: int,
                     device: torch.device | str) -> tuple[torch.Tensor, float]:
     """(inverse frequencies of shape (head_dim / 2,) in FP32, factor on cos and sin) for
     sequences of `seq_len` tokens."""
@@ -95,6 +173,18 @@ def inv_frequencies(args: QwenArgs, *, seq_len: int,
                                                              math.log(original))
         return inv / torch.tensor(divisors, dtype=torch.float32, device=device), attention
     return inv, 1.0  # dynamic
+
+
+def rope_tables(args: ModelArgs, seq_len: int,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim) in FP32 (HF's rotate-half layout), with
+    args.rope_scaling's frequencies and attention factor."""
+    inv, attention_factor = inv_frequencies(args, seq_len=seq_len, device=device)
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    if attention_factor == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
 _KINDS = {"truncate": "true or false", "original_max_position_embeddings": "an integer",

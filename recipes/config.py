@@ -17,10 +17,10 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 import torch
 
-from models.args import QwenArgs, RopeScaling
-from models.flavors import FLAVORS
 from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
+from models.rope import RopeScaling
 from protocols.bounds import UNSET_OR_AT_LEAST_1, above, at_least, bound_error, within
+from protocols.model_spec import ModelArgs, all_flavors
 from recipes.baselines.activation_checkpoint import ACMode
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
 from slidedp.activations import block_policies
@@ -53,7 +53,8 @@ class Job:
 @dataclass
 class Model:
     flavor: str = ""
-    """Flavor from models/flavors.py (e.g. qwen3-8B); empty: hf_dir's, else qwen3-debug."""
+    """Flavor of a registered model (models/<name>/, e.g. qwen3-8B); empty: hf_dir's, else
+    qwen3-debug."""
     hf_dir: str = ""
     """Hugging Face model directory (config.json + safetensors) to fine-tune; empty: random init."""
     tokenizer_dir: str = ""
@@ -298,7 +299,7 @@ def _require_path(key: str, value: str, *, kind: Literal["file", "directory", "f
         raise ConfigError(f"{key}: {value} has no {must_contain}")
 
 
-def _with_rope_scaling(model: Model, args: QwenArgs) -> QwenArgs:
+def _with_rope_scaling(model: Model, args: ModelArgs) -> ModelArgs:
     """`args` with the [model] RoPE scaling keys applied over the model's own scaling (a factor
     or original positions alone change the model's; a type the model has keeps its other
     fields)."""
@@ -333,17 +334,18 @@ def _with_rope_scaling(model: Model, args: QwenArgs) -> QwenArgs:
     return dataclasses.replace(args, rope_scaling=scaling)
 
 
-def resolve_model(config: JobConfig) -> tuple[str, QwenArgs]:
+def resolve_model(config: JobConfig) -> tuple[str, ModelArgs]:
     """(flavor name, architecture): the flavor, or what model.hf_dir's config.json says, with
     the [model] RoPE scaling keys applied. A custom architecture read from hf_dir that matches
     no flavor is named after the directory."""
     flavor, hf_dir = config.model.flavor, config.model.hf_dir
-    if flavor and flavor not in FLAVORS:
+    flavors = all_flavors()
+    if flavor and flavor not in flavors:
         raise ConfigError(f"model.flavor: unknown flavor {flavor!r} "
-                          f"(choose one of {', '.join(FLAVORS)})")
+                          f"(choose one of {', '.join(flavors)})")
     if not hf_dir:
         name = flavor or "qwen3-debug"
-        return name, _with_rope_scaling(config.model, FLAVORS[name])
+        return name, _with_rope_scaling(config.model, flavors[name])
     from models.hf_checkpoint import match_flavor, read_hf_config  # safetensors only when needed
 
     try:
@@ -406,7 +408,7 @@ def resolve_resume_dir(checkpoint: Checkpoint) -> Path:
     return found
 
 
-def _check_activation(config: JobConfig, args: QwenArgs) -> None:
+def _check_activation(config: JobConfig, args: ModelArgs) -> None:
     """SlideDP's per-block activation policies read against the model's blocks."""
     s = config.slidedp
     try:

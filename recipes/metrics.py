@@ -2,8 +2,8 @@
 TensorBoard run folder of its own, and as a progress line.
 
 Definitions (docs/DESIGN.md §7.1): tokens/s is the step's global tokens over its wall time;
-model FLOPs per token are `QwenArgs.flops_per_token(seq_len)` = 6·N (all parameters) + causal
-attention 6·L·seq·(heads·head_dim), recomputation not counted; TFLOP/s per GPU and MFU exist only
+model FLOPs per token are the model args' `flops_per_token(seq_len)` = 6·N (all parameters) +
+causal attention 6·L·seq·(heads·head_dim), recomputation not counted; TFLOP/s per GPU and MFU exist only
 on CUDA devices (a CPU run has neither a GPU nor its peak, so they are not reported there); MFU
 is against the device's datasheet dense BF16 peak (DENSE_BF16_TFLOPS), None for a GPU not in it.
 

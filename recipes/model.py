@@ -4,9 +4,10 @@ full FP32 model on the CPU. A module of its own so that the baselines and the mo
 
 import torch
 
-from models.args import QwenArgs
+from torch import nn
+
 from models.kernels import TORCH_KERNELS, Kernels, resolve_kernels
-from models.qwen import QwenModel
+from protocols.model_spec import ModelArgs, spec_of
 from recipes.config import JobConfig
 
 
@@ -16,11 +17,11 @@ def build_kernels(config: JobConfig, *, device: torch.device) -> Kernels:
                            device_type=device.type)
 
 
-def build_model(args: QwenArgs, *, seed: int, hf_dir: str = "",
-                kernels: Kernels = TORCH_KERNELS) -> QwenModel:
+def build_model(args: ModelArgs, *, seed: int, hf_dir: str = "",
+                kernels: Kernels = TORCH_KERNELS) -> nn.Module:
     """The full FP32 model on the CPU: seeded random init, or the weights of `hf_dir`. Every
     backend starts from this so the same seed means the same weights in every mode."""
-    model = QwenModel(args, kernels)
+    model = spec_of(args).model_cls(args, kernels)
     if hf_dir:
         from models.hf_checkpoint import load_hf_into_model  # safetensors only when needed
 

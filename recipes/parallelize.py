@@ -5,11 +5,11 @@ build their model from recipes/model.py."""
 
 import torch
 
-from models.args import QwenArgs
+from protocols.model_spec import ModelArgs
 from recipes.config import JobConfig
 
 
-def build_backend(config: JobConfig, args: QwenArgs, *, device: torch.device, dp_rank: int,
+def build_backend(config: JobConfig, args: ModelArgs, *, device: torch.device, dp_rank: int,
                   dp_world: int):
     """The TrainBackend of `parallelism.mode`."""
     mode = config.parallelism.mode

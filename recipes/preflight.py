@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from models.args import QwenArgs
+from models.kernels import resolve_kernels
+from protocols.model_spec import ModelArgs
 from recipes.checkpoint import FORMAT_VERSION, read_meta
 from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, resolve_resume_dir
-from models.kernels import resolve_kernels
 from slidedp.gpu_update import check_gpu_updates
 from slidedp.speculative import check_speculative
 from recipes.baselines.memory import baseline_footprint
@@ -39,7 +39,7 @@ class CheckedRun:
 
     name: str
     """The model's flavor name (or "custom (<dir>)")."""
-    args: QwenArgs
+    args: ModelArgs
     """The architecture."""
     run_meta: dict[str, Any]
     """What a resumed run must share with the saved one (recorded in meta.json)."""
@@ -57,7 +57,7 @@ def check_world(config: JobConfig, *, world: int) -> None:
                           f'use "fsdp2" or "slidedp" (./run_train.sh picks "{MULTI_RANK_MODE}")')
 
 
-def check_mode_options(config: JobConfig, args: QwenArgs, *, world: int) -> None:
+def check_mode_options(config: JobConfig, args: ModelArgs, *, world: int) -> None:
     """Options of one mode only where that mode runs (for the model `args` on `world` ranks);
     for "deepspeed",
     the package is installed (found, not imported: that takes seconds) and the run asks nothing
@@ -88,8 +88,8 @@ def check_mode_options(config: JobConfig, args: QwenArgs, *, world: int) -> None
                               "throughput baseline: no saves, no resume, no meta init)")
 
 
-def check_seq_len(seq_len: int, args: QwenArgs) -> None:
-    """training.seq_len within the positions the model takes (QwenArgs.max_positions: a RoPE
+def check_seq_len(seq_len: int, args: ModelArgs) -> None:
+    """training.seq_len within the positions the model takes (ModelArgs.max_positions: a RoPE
     scaling raises them)."""
     if seq_len > args.max_positions():
         advice = ("raise model.rope_scaling_factor" if args.rope_scaling else
@@ -98,7 +98,7 @@ def check_seq_len(seq_len: int, args: QwenArgs) -> None:
                           f"{args.describe_positions()}: {advice}, or lower training.seq_len")
 
 
-def _check_hf_dir(hf_dir: str, args: QwenArgs) -> None:
+def _check_hf_dir(hf_dir: str, args: ModelArgs) -> None:
     from safetensors import SafetensorError
 
     from models.hf_checkpoint import check_hf_tensors  # safetensors only when needed
@@ -109,7 +109,7 @@ def _check_hf_dir(hf_dir: str, args: QwenArgs) -> None:
         raise ConfigError(f"model.hf_dir: {e}") from None
 
 
-def load_checked_tokenizer(config: JobConfig, args: QwenArgs):
+def load_checked_tokenizer(config: JobConfig, args: ModelArgs):
     """The data's tokenizer and EOS id; one line if it is missing, unreadable or larger than the
     model's vocabulary."""
     from recipes.data import load_tokenizer  # tokenizers only for files
@@ -143,7 +143,7 @@ def _check_data(config: JobConfig, *, thorough: bool) -> None:
         raise data_error(e) from None
 
 
-def run_meta(config: JobConfig, name: str, args: QwenArgs, *, world: int) -> dict[str, Any]:
+def run_meta(config: JobConfig, name: str, args: ModelArgs, *, world: int) -> dict[str, Any]:
     """What a resumed run must share with the saved one. `global_batch` (samples per step) is
     compared only where the save recorded it (saves from before it was recorded resume too)."""
     tr = config.training
@@ -175,7 +175,7 @@ def check_resumable(directory: Path, *, meta: dict[str, Any], steps: int) -> Non
                           "training.steps to train on)")
 
 
-def device_memory(config: JobConfig, args: QwenArgs, *, world: int,
+def device_memory(config: JobConfig, args: ModelArgs, *, world: int,
                   kernels: Kernel = "torch") -> MemoryEstimate:
     """One rank's estimated device bytes under `config`'s mode: SlideDP's model
     (slidedp/plan/memory.py), or a baseline's footprint (recipes/baselines/memory.py) with the
@@ -186,7 +186,7 @@ def device_memory(config: JobConfig, args: QwenArgs, *, world: int,
                            kernels=kernels)
 
 
-def largest_fitting_batch(config: JobConfig, args: QwenArgs, *, world: int, capacity: int,
+def largest_fitting_batch(config: JobConfig, args: ModelArgs, *, world: int, capacity: int,
                           kernels: Kernel = "torch") -> int:
     """The largest training.local_batch_size whose estimate fits `capacity` (0 if none does)."""
     def fits(batch: int) -> bool:
@@ -200,7 +200,7 @@ def largest_fitting_batch(config: JobConfig, args: QwenArgs, *, world: int, capa
     return low
 
 
-def check_device_memory(config: JobConfig, args: QwenArgs, *, world: int, capacity: int,
+def check_device_memory(config: JobConfig, args: ModelArgs, *, world: int, capacity: int,
                         kernels: Kernel = "torch") -> None:
     """Refuse when the estimate (device_memory) clearly exceeds one device's
     `capacity` bytes, with the numbers and what to change."""
@@ -228,7 +228,7 @@ def check_device_memory(config: JobConfig, args: QwenArgs, *, world: int, capaci
                       f"{_gib(capacity)}: {advice}")
 
 
-def slidedp_host_bytes(config: JobConfig, args: QwenArgs, *, world: int,
+def slidedp_host_bytes(config: JobConfig, args: ModelArgs, *, world: int,
                        bf16_shadow: bool | None = None) -> int:
     """The exact bytes of SlideDP's shared host state for `config` (with `bf16_shadow` instead
     of slidedp.bf16_shadow if given): the regions HostStatePlan.for_run picks."""
@@ -243,7 +243,7 @@ def slidedp_host_bytes(config: JobConfig, args: QwenArgs, *, world: int,
     return host_state_bytes(StateLayout(args, world=world), plan)
 
 
-def check_host_memory(config: JobConfig, args: QwenArgs, *, world: int, on_cpu: bool,
+def check_host_memory(config: JobConfig, args: ModelArgs, *, world: int, on_cpu: bool,
                       available: int, total: int) -> None:
     """SlideDP's shared host state (exact) against `available` bytes (MemAvailable, unless
     slidedp.check_host_memory is off), then everything the ranks hold on the host (estimated:
@@ -279,7 +279,7 @@ def check_host_memory(config: JobConfig, args: QwenArgs, *, world: int, on_cpu: 
                           "or use a smaller model")
 
 
-def _check_memory(config: JobConfig, args: QwenArgs, *, world: int, device: torch.device) -> None:
+def _check_memory(config: JobConfig, args: ModelArgs, *, world: int, device: torch.device) -> None:
     from slidedp.host_state import available_host_bytes, total_host_bytes
 
     check_host_memory(config, args, world=world, on_cpu=device.type == "cpu",

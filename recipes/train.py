@@ -25,10 +25,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from models.args import QwenArgs
-from models.flavors import PUBLISHED_BILLIONS
 from models.loss import IGNORE_INDEX
 from protocols.backend import Batch, StepResult, TrainBackend
+from protocols.model_spec import ModelArgs, spec_of
 from recipes.checkpoint import TRAIN_STATE, CheckpointSaver, HFExport, read_meta, remove_saves
 from recipes.config import ConfigError, JobConfig, parse_config
 from recipes.interrupt import EXIT_CODE, catch_interrupt, interrupt_requested, stopped_line
@@ -91,7 +90,7 @@ class BatchSource(Protocol):
     def load_state_dict(self, sd: dict) -> None: ...
 
 
-def build_batches(config: JobConfig, args: QwenArgs, *, dp_rank: int,
+def build_batches(config: JobConfig, args: ModelArgs, *, dp_rank: int,
                   dp_world: int) -> BatchSource:
     """This rank's infinite stream of (input_ids, labels) micro-batches. A bad tokenizer or data
     record is a ConfigError naming it (file:line), raised before any model is built."""
@@ -162,7 +161,7 @@ def train_steps(backend: TrainBackend, batches: Iterable[Batch], schedule: LRSch
                           step_time=time.perf_counter() - start, interrupted=interrupted)
 
 
-def hf_exporter(config: JobConfig, args: QwenArgs) -> HFExport:
+def hf_exporter(config: JobConfig, args: ModelArgs) -> HFExport:
     """The Hugging Face export of a save: the model's config (the source model's, if it was
     fine-tuned from one) and tokenizer with the weights."""
     hf_dir = config.model.hf_dir
@@ -196,15 +195,15 @@ def load_backend_state(backend: TrainBackend, directory: Path, meta: dict) -> in
     return step
 
 
-def _describe_model(name: str, args: QwenArgs) -> str:
+def _describe_model(name: str, args: ModelArgs) -> str:
     n = args.num_params()
-    published = PUBLISHED_BILLIONS.get(name)
+    published = spec_of(args).published_billions.get(name)
     versus = f", published {published}B" if published is not None else ""
     return (f"model {name}: {n:,} parameters ({n / 1e9:.2f}B{versus}), {args.n_layers} layers, "
             f"{args.describe_positions()}")
 
 
-def _log_kernels(config: JobConfig, args: QwenArgs, *, device: torch.device) -> None:
+def _log_kernels(config: JobConfig, args: ModelArgs, *, device: torch.device) -> None:
     """Which kernels the model computes with, and on CUDA the SDPA kernel that runs."""
     kernels = build_kernels(config, device=device)
     line = kernels.describe()

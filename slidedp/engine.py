@@ -55,15 +55,12 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
-from torch.func import functional_call
 
-from models.args import QwenArgs
 from models.kernels import resolve_kernels
-from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
 from protocols.backend import Batch, StepResult
 from protocols.bounds import check_field
+from protocols.model_spec import ModelArgs, spec_of
 from protocols.reconfigure import Knobs
 from slidedp import affinity, cpu_adam
 from slidedp import speculative as speculative_state
@@ -121,7 +118,7 @@ class _UpdateTail:
 class SlideDPBackend:
     """Host-resident layer streaming with synchronous data-parallel semantics."""
 
-    def __init__(self, job_config, model_args: QwenArgs, *, device: torch.device, dp_rank: int,
+    def __init__(self, job_config, model_args: ModelArgs, *, device: torch.device, dp_rank: int,
                  dp_world: int):
         tr, opt = job_config.training, job_config.optimizer
         lap = _Laps()
@@ -130,6 +127,7 @@ class SlideDPBackend:
         self.style = RUNTIME_STYLES[job_config.slidedp.runtime]
         cfg = self.style.configure(job_config.slidedp)
         self.cfg, self.args, self.device = cfg, model_args, device
+        self.spec = spec_of(model_args)
         # The same kernels as every other mode, for the blocks run on streamed weights.
         kernels = self.kernels = resolve_kernels(job_config.model.kernels,
                                                  attention=job_config.model.attention,
@@ -201,8 +199,8 @@ class SlideDPBackend:
         self.buffers.append(torch.empty(self.layout.embed.padded, **bf16))
         self.buffers.append(torch.empty(self.layout.head.padded, **bf16))
         with torch.device("meta"):
-            self.segments = BlockSegments(TransformerBlock(model_args, kernels))
-            self.norm_template = RMSNorm(model_args.dim, model_args.norm_eps, kernels)
+            self.segments = BlockSegments(self.spec.block_cls(model_args, kernels))
+        self.head_loss = self.spec.head_loss(model_args, kernels)
         self._unit_buffer: dict[int, int] = {}
         self.weight_refs = WeightRefs(self.buffers, lambda u: self.buffers[self._unit_buffer[u]])
         self.offloader = Offloader(self.streams, self.traffic)
@@ -441,7 +439,7 @@ class SlideDPBackend:
     @torch.no_grad()
     def _init_weights(self, *, hf_dir: str, seed: int) -> None:
         """Fill the shared master (and shadow). Checkpoints are read by rank 0. Random init of
-        models up to PARALLEL_INIT_PARAMS reproduces QwenModel.init_weights after
+        models up to PARALLEL_INIT_PARAMS reproduces the model's init_weights after
         torch.manual_seed(seed) draw for draw (so `single` and `slidedp` start equal); bigger ones
         are drawn by all ranks in parallel, one generator per unit (seed, unit) — minutes saved
         at 8B+, same distribution, different values."""
@@ -480,7 +478,7 @@ class SlideDPBackend:
         """Draws in FP32, as `single` does, then stores (a BF16 master: rounded)."""
         master = self._master_view(name)
         drawn = master if master.dtype == torch.float32 else torch.empty(master.shape)
-        init_parameter(name, drawn, generator=generator)
+        self.spec.init_parameter(name, drawn, generator=generator)
         if drawn is not master:
             master.copy_(drawn)
 
@@ -741,7 +739,7 @@ class SlideDPBackend:
             unit = units[use.unit]
             if unit.kind == "embed" and use.phase == "fwd":
                 emb = self._leaves(unit, use.buffer, grad=True)
-                h = F.embedding(tokens, emb["weight"])
+                h = self.spec.embed(emb, tokens)
                 h0 = get_gradient_edge(h)
                 h = h.detach()
             elif unit.kind == "embed":
@@ -750,10 +748,8 @@ class SlideDPBackend:
             elif unit.kind == "head":
                 h_in = h.requires_grad_()
                 head = self._leaves(unit, use.buffer, grad=True)
-                hn = functional_call(self.norm_template, {"weight": head["norm.weight"]}, (h_in,))
-                w = head["lm_head.weight"] if "lm_head.weight" in head else emb["weight"]
-                loss = self.kernels.linear_cross_entropy_sum(
-                    hn, w, labels, chunk_tokens=self.loss_chunk) / global_tokens
+                loss = self.head_loss(head, emb, h_in, labels,
+                                      chunk_tokens=self.loss_chunk) / global_tokens
                 loss.backward()
                 grad_h = h_in.grad
                 self._submit_grad(unit, head, **grad_kw)
@@ -823,7 +819,7 @@ class SlideDPBackend:
                     global_target_tokens: int) -> StepResult:
         self._reap()
         n_micro = len(micro_batches)
-        rope = rope_tables(self.args, micro_batches[0][0].shape[1], self.device)
+        rope = self.spec.rope_tables(self.args, micro_batches[0][0].shape[1], self.device)
         self._ensure_offload_pool(*micro_batches[0][0].shape)
         offload = [p.offload for p in self.policies]
         tail = _UpdateTail(len(self.layout.units))
@@ -1007,7 +1003,7 @@ class SlideDPBackend:
             dist.destroy_process_group(group)
 
 
-def build_slidedp_backend(job_config, model_args: QwenArgs, *, device: torch.device,
+def build_slidedp_backend(job_config, model_args: ModelArgs, *, device: torch.device,
                           dp_rank: int, dp_world: int) -> SlideDPBackend:
     """The `parallelism.mode = "slidedp"` backend."""
     return SlideDPBackend(job_config, model_args, device=device, dp_rank=dp_rank, dp_world=dp_world)

@@ -1,19 +1,18 @@
 """Where every parameter lives in the flat host state, and which rank owns which slice.
 
-The model is cut into *units*: the embedding, each transformer block, and the head (final norm +
-untied LM head). A unit's parameters are concatenated into one flat range, padded so that it
-splits into `world` equal, aligned shards; rank r owns shard r of every unit (it reduces, returns
-and updates that slice), or with `sole_owner` (SlideFormer-style) rank 0 owns every unit. The
-layout is independent of the delivery/reduction route, so routes can change per run (or per
-layer) without touching the state.
+The model is cut into *units* (its spec's `units`): the embedding, each transformer block, and
+the head (final norm + untied LM head). A unit's parameters are concatenated into one flat range,
+padded so that it splits into `world` equal, aligned shards; rank r owns shard r of every unit
+(it reduces, returns and updates that slice), or with `sole_owner` (SlideFormer-style) rank 0 owns
+every unit. The layout is independent of the delivery/reduction route, so routes can change per
+run (or per layer) without touching the state.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from models.args import QwenArgs
-from models.qwen import QwenModel
+from protocols.model_spec import ModelArgs, spec_of
 
 # Shard boundaries fall on 128 elements: 512 B of FP32, a multiple of the cache line and of
 # every SIMD width the CPU Adam kernel uses.
@@ -74,25 +73,13 @@ class Unit:
 class StateLayout:
     """The flat layout of one model's parameters for `world` owners."""
 
-    def __init__(self, args: QwenArgs, *, world: int, sole_owner: bool = False):
+    def __init__(self, args: ModelArgs, *, world: int, sole_owner: bool = False):
         """`sole_owner`: rank 0 owns every unit (the padding stays the same)."""
         self.args, self.world = args, world
-        with torch.device("meta"):
-            model = QwenModel(args)
-        groups: list[tuple[str, list[tuple[str, str, torch.Size]]]] = []
-        groups.append(("embed", [("embed_tokens.weight", "weight", model.embed_tokens.weight.shape)]))
-        for i, block in enumerate(model.layers):
-            groups.append(("block", [(f"layers.{i}.{n}", n, p.shape)
-                                     for n, p in block.named_parameters()]))
-        head = [("norm.weight", "norm.weight", model.norm.weight.shape)]
-        if model.lm_head is not None:
-            head.append(("lm_head.weight", "lm_head.weight", model.lm_head.weight.shape))
-        groups.append(("head", head))
-
         quantum = world * SHARD_ALIGN
         self.units: list[Unit] = []
         host_offset = 0
-        for index, (kind, params) in enumerate(groups):
+        for index, (kind, params) in enumerate(spec_of(args).units(args)):
             slots, off = [], 0
             for name, local, shape in params:
                 slots.append(ParamSlot(name=name, local_name=local, shape=shape, offset=off))

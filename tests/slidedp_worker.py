@@ -12,7 +12,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from protocols.reconfigure import Knobs
 from recipes.config import JobConfig
 from slidedp.engine import SlideDPBackend

@@ -11,13 +11,14 @@ import random
 
 import pytest
 import torch
+from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from models.activation_memory import SavedStorages
-from models.flavors import get_flavor
 from models.kernels import TORCH_KERNELS
-from models.qwen import BLOCK_SEGMENTS, TransformerBlock, init_parameter, rope_tables
+from models.rope import rope_tables
+from protocols.model_spec import get_flavor, get_model_spec
 from recipes.config import parse_config
 from slidedp.activations import (KEEP, RECOMPUTE, SELECTIVE, BlockSegments, Offloader, SavedOps,
                                  SegmentMask, WeightRefs, as_streamed, block_input, block_policies,
@@ -25,17 +26,18 @@ from slidedp.activations import (KEEP, RECOMPUTE, SELECTIVE, BlockSegments, Offl
 from slidedp.streams import Streams
 from slidedp.traffic import Traffic
 
+QWEN = get_model_spec("qwen")
 FAMILIES = ["qwen3-debug", "qwen2.5-debug"]
 OPS = [SELECTIVE, SavedOps(ops=frozenset({"matmul"})),
        SavedOps(ops=frozenset({"matmul", "attention"}))]
 
 
-def _block(flavor: str, dtype=torch.float32) -> TransformerBlock:
+def _block(flavor: str, dtype=torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    block = TransformerBlock(get_flavor(flavor)).to(dtype)
+    block = QWEN.block_cls(get_flavor(flavor)).to(dtype)
     with torch.no_grad():
         for name, p in block.named_parameters():
-            init_parameter(name, p)
+            QWEN.init_parameter(name, p)
             if name.endswith("bias") or name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))  # not the trivial values
     return block
@@ -60,8 +62,8 @@ def test_every_segment_mask_and_op_policy_gives_exactly_the_plain_gradients(flav
     weights = dict(block.named_parameters())
     # Every segment kept alone and replayed alone (so every boundary, either way, at every
     # position), all and none, and a fixed sample of the other masks.
-    every = [frozenset(kept) for n in range(len(BLOCK_SEGMENTS) + 1)
-             for kept in itertools.combinations(BLOCK_SEGMENTS, n)]
+    every = [frozenset(kept) for n in range(len(QWEN.segments) + 1)
+             for kept in itertools.combinations(QWEN.segments, n)]
     chosen = [k for k in every if len(k) in (0, 1, 7, 8)]
     chosen += random.Random(0).sample([k for k in every if k not in chosen], 12)
     masks = [SegmentMask(kept=kept) for kept in chosen]
@@ -86,7 +88,7 @@ def test_offload_moves_what_the_block_saves_and_gives_the_same_gradients(flavor,
     flat, weights = as_streamed(block)
     refs = WeightRefs([flat], lambda unit: flat)
     with torch.device("meta"):
-        segments = BlockSegments(TransformerBlock(args))
+        segments = BlockSegments(QWEN.block_cls(args))
     batch, seq = 2, 40
     rope = rope_tables(args, seq, "cpu")
     g = torch.randn(batch, seq, args.dim, dtype=torch.bfloat16)
@@ -186,7 +188,7 @@ def test_policy_names_round_trip(spec):
 def test_canonical_names():
     assert parse_policy("segments(down_proj+qkv)").name == "segments(qkv+down_proj)"
     assert parse_policy("segments()") == RECOMPUTE and parse_policy("ops(attention)") == SELECTIVE
-    assert parse_policy(f"segments({'+'.join(BLOCK_SEGMENTS)})").name == "keep"
+    assert parse_policy(f"segments({'+'.join(QWEN.segments)})").name == "keep"
     assert parse_policy("keep@offload=1").name == "keep@offload=1.0"
     assert parse_policy("recompute@offload=0").name == "recompute"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
 from recipes.model import build_model
 
@@ -157,10 +157,9 @@ def test_memory_estimate_of_the_offloading_baselines():
     """FSDP2's CPU offload keeps the sharded 16 B/param off the GPU; ZeRO-Offload keeps BF16
     weights and gradients there (ZeRO-2: all of them, ZeRO-3: a shard), and the host check
     counts what they offload."""
-    from models.flavors import FLAVORS
     from recipes.preflight import check_host_memory, device_memory
 
-    args, world = FLAVORS["qwen3-8B"], 2
+    args, world = get_flavor("qwen3-8B"), 2
     n = args.num_params()
 
     def estimate(**overrides):

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import slidedp.engine
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from recipes.checkpoint import (META_FILE, TRAIN_STATE, CheckpointSaver, NonFiniteWeights,
                                 latest_checkpoint, prune, staging_dir)
 from recipes.baselines.eager import build_single_backend

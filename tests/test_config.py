@@ -9,7 +9,7 @@ from typing import Literal, get_origin, get_type_hints
 import pytest
 
 from models.hf_checkpoint import save_hf_checkpoint
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from recipes.config import ConfigError, JobConfig, parse_config, resolve_model
 from recipes.lr_schedule import LRSchedule
 from recipes.model import build_model

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from recipes.config import JobConfig
 from recipes.baselines.eager import build_fsdp2_backend, build_single_backend
 from recipes.model import build_model

@@ -11,8 +11,8 @@ from functools import cache
 import pytest
 import torch
 
-from models.args import RopeScaling
-from models.flavors import get_flavor
+from models.rope import RopeScaling
+from protocols.model_spec import get_flavor
 from recipes.parallelize import build_backend
 from tests.slidedp_worker import global_batches, make_config
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from recipes.parallelize import build_backend
 from slidedp.engine import SlideDPBackend
 from slidedp.gpu_update import GPU_CHUNK

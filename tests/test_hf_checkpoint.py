@@ -1,4 +1,5 @@
-"""Round trips between QwenModel and Hugging Face model directories (config.json + safetensors)."""
+"""Round trips between the Qwen model and Hugging Face model directories (config.json +
+safetensors)."""
 
 import dataclasses
 import json
@@ -9,9 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
-from models.args import QwenArgs
-from models.flavors import FLAVORS
 from models.hf_checkpoint import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -28,8 +28,9 @@ from models.hf_checkpoint import (
     save_hf_checkpoint,
     to_hf_config,
 )
-from models.qwen import QwenModel
+from protocols.model_spec import ModelArgs, get_model_spec
 
+QWEN = get_model_spec("qwen")
 DEBUG_FLAVORS = ["qwen3-debug", "qwen2.5-debug"]
 
 # As published on the Hugging Face hub (Qwen/Qwen3-8B, Qwen/Qwen2.5-7B).
@@ -55,10 +56,10 @@ QWEN25_7B_CONFIG = {
 }
 
 
-def make_model(flavor: str, *, seed: int = 0, args: QwenArgs | None = None) -> QwenModel:
+def make_model(flavor: str, *, seed: int = 0, args: ModelArgs | None = None) -> nn.Module:
     """A random `flavor` (or `args`) model; the same seed gives the same weights."""
     torch.manual_seed(seed)
-    model = QwenModel(args or FLAVORS[flavor])
+    model = QWEN.model_cls(args or QWEN.flavors[flavor])
     model.init_weights()
     return model
 
@@ -75,16 +76,16 @@ def hf_keys(model_dir: Path) -> dict[str, str]:
 def write_raw_checkpoint(model_dir: Path, tensors: dict[str, torch.Tensor], flavor: str) -> None:
     """A hand-made HF directory (not through save_hf_checkpoint), for malformed-file cases."""
     model_dir.mkdir()
-    (model_dir / CONFIG_FILE).write_text(json.dumps(to_hf_config(FLAVORS[flavor])))
+    (model_dir / CONFIG_FILE).write_text(json.dumps(to_hf_config(QWEN.flavors[flavor])))
     save_file(tensors, model_dir / SINGLE_FILE, metadata={"format": "pt"})
 
 
-def hf_state(model: QwenModel) -> dict[str, torch.Tensor]:
+def hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {(n if n == "lm_head.weight" else "model." + n): p.detach().clone()
             for n, p in model.named_parameters()}
 
 
-def assert_params_equal(a: QwenModel, b: QwenModel) -> None:
+def assert_params_equal(a: nn.Module, b: nn.Module) -> None:
     pb = dict(b.named_parameters())
     for name, p in a.named_parameters():
         assert torch.equal(p, pb[name]), name
@@ -169,12 +170,12 @@ def test_single_file_layout(tmp_path: Path) -> None:
 def test_config_json_fields(tmp_path: Path) -> None:
     for flavor, arch, model_type in [("qwen3-debug", "Qwen3ForCausalLM", "qwen3"),
                                      ("qwen2.5-debug", "Qwen2ForCausalLM", "qwen2")]:
-        cfg = to_hf_config(FLAVORS[flavor], dtype=torch.float32)
+        cfg = to_hf_config(QWEN.flavors[flavor], dtype=torch.float32)
         assert cfg["architectures"] == [arch] and cfg["model_type"] == model_type
         assert cfg["hidden_act"] == "silu" and cfg["use_sliding_window"] is False
         assert cfg["torch_dtype"] == "float32"
         assert ("attention_bias" in cfg) == (model_type == "qwen3")
-        assert args_from_hf_config(cfg) == FLAVORS[flavor]
+        assert args_from_hf_config(cfg) == QWEN.flavors[flavor]
 
 
 def test_source_config_and_tokenizer_preserved(tmp_path: Path) -> None:
@@ -182,7 +183,7 @@ def test_source_config_and_tokenizer_preserved(tmp_path: Path) -> None:
     src_dir.mkdir()
     for name in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]:
         (src_dir / name).write_text(f'{{"file": "{name}"}}')
-    source = {**to_hf_config(FLAVORS["qwen3-debug"]), "bos_token_id": 7, "eos_token_id": 8,
+    source = {**to_hf_config(QWEN.flavors["qwen3-debug"]), "bos_token_id": 7, "eos_token_id": 8,
               "custom_key": "kept", "tie_word_embeddings": False, "torch_dtype": "float16"}
     model = make_model("qwen3-debug")
     save_hf_checkpoint(model.named_parameters(), model.args, tmp_path / "out",
@@ -199,7 +200,7 @@ def test_transformers_v5_rope_parameters(tmp_path: Path) -> None:
     cfg = {k: v for k, v in QWEN3_8B_CONFIG.items() if k != "rope_theta"}
     cfg["rope_parameters"] = {"rope_theta": 1000000.0, "rope_type": "default"}
     assert match_flavor(args_from_hf_config(cfg)) == "qwen3-8B"
-    args = FLAVORS["qwen3-8B"]
+    args = QWEN.flavors["qwen3-8B"]
     saved = to_hf_config(args, source_config=cfg)
     assert saved["rope_parameters"]["rope_theta"] == args.rope_theta
 
@@ -302,7 +303,7 @@ def test_match_flavor_published_configs() -> None:
     assert args_from_hf_config(QWEN25_7B_CONFIG).head_dim == 128  # derived: 3584 / 28
     other = {**QWEN3_8B_CONFIG, "num_hidden_layers": 3}
     assert match_flavor(args_from_hf_config(other)) is None
-    for name, flavor in FLAVORS.items():
+    for name, flavor in QWEN.flavors.items():
         assert match_flavor(args_from_hf_config(to_hf_config(flavor))) == name
 
 
@@ -311,8 +312,8 @@ def test_config_errors(tmp_path: Path) -> None:
         read_hf_config(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="config.json: not found"):
         read_hf_config(tmp_path)
-    (tmp_path / CONFIG_FILE).write_text(json.dumps({**QWEN3_8B_CONFIG, "model_type": "llama"}))
-    with pytest.raises(ValueError, match="config.json: unsupported model_type 'llama'"):
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({**QWEN3_8B_CONFIG, "model_type": "mistral"}))
+    with pytest.raises(ValueError, match="config.json: unsupported model_type 'mistral'"):
         read_hf_config(tmp_path)
     cfg = {k: v for k, v in QWEN3_8B_CONFIG.items() if k != "intermediate_size"}
     (tmp_path / CONFIG_FILE).write_text(json.dumps(cfg))
@@ -383,7 +384,7 @@ def test_transformers_loads_saved_dir(tmp_path: Path, flavor: str, rope_scaling)
     """Our logits equal transformers' Qwen3ForCausalLM / Qwen2ForCausalLM on the saved
     directory, RoPE scaling included (read by transformers from the config.json we write)."""
     transformers = pytest.importorskip("transformers")
-    base = dataclasses.replace(FLAVORS[flavor], max_position_embeddings=32)
+    base = dataclasses.replace(QWEN.flavors[flavor], max_position_embeddings=32)
     args = args_from_hf_config({**to_hf_config(base), "rope_scaling": rope_scaling})
     model, plain = make_model(flavor, args=args), make_model(flavor, args=base)
     save_hf_checkpoint(model.named_parameters(), args, tmp_path, dtype=torch.float32)

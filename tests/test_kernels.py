@@ -8,14 +8,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import models.kernels as kernels_mod
 from models.activation_memory import saved_bytes
-from models.args import QwenArgs
-from models.flavors import get_flavor
 from models.kernels import TORCH_KERNELS, KernelsUnavailable, resolve_kernels, sdpa_backend_used
-from models.qwen import QwenModel, TransformerBlock, rope_tables
+from models.rope import rope_tables
+from protocols.model_spec import ModelArgs, get_flavor, get_model_spec
 from tests.conftest import REPO, subprocess_env
 from tests.test_slidedp import (POLICY_VARIANTS, assert_matches_reference, assert_offload_traffic,
                                 run_workers, single_reference)
@@ -23,6 +23,8 @@ from tests.test_slidedp import (POLICY_VARIANTS, assert_matches_reference, asser
 HAS_LIGER_GPU = torch.cuda.is_available() and not kernels_mod._liger_missing()
 gpu_only = pytest.mark.skipif(not HAS_LIGER_GPU,
                               reason="needs a CUDA GPU and liger-kernel (run on the GPU machine)")
+
+QWEN = get_model_spec("qwen")
 
 
 # ---- the switch (CPU) ----------------------------------------------------------------------------
@@ -77,7 +79,7 @@ def test_the_model_runs_every_op_through_its_kernels():
     """Swapping one op of the kernel set changes the output: no op bypasses the switch."""
     args = get_flavor("qwen3-debug")
     torch.manual_seed(0)
-    model = QwenModel(args)
+    model = QWEN.model_cls(args)
     model.init_weights()
     tokens = torch.randint(0, args.vocab_size, (2, 12))
     base = model(tokens)
@@ -86,7 +88,7 @@ def test_the_model_runs_every_op_through_its_kernels():
         doubled = (lambda *a, f=real: tuple(2 * t for t in f(*a))) if op == "rope" else \
             (lambda *a, f=real: 2 * f(*a))
         swapped = replace(TORCH_KERNELS, **{op: doubled})
-        other = QwenModel(args, swapped)
+        other = QWEN.model_cls(args, swapped)
         other.load_state_dict(model.state_dict())
         assert not torch.allclose(other(tokens), base), op
 
@@ -99,7 +101,7 @@ def test_sdpa_backend_is_recorded_on_the_cpu():
 
 def test_saved_bytes_counts_activations_not_weights():
     args = get_flavor("qwen3-debug")
-    block = TransformerBlock(args)
+    block = QWEN.block_cls(args)
     per_token = []
     for seq in (16, 32):
         x = torch.randn(1, seq, args.dim, requires_grad=True)
@@ -116,15 +118,15 @@ def test_saved_bytes_counts_activations_not_weights():
 
 # Big enough that the Triton kernels take their real code paths (head_dim 128 as in Qwen3),
 # small enough for seconds.
-_QWEN3 = QwenArgs(family="qwen3", dim=512, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=128,
+_QWEN3 = QWEN.args_cls(family="qwen3", dim=512, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=128,
                   hidden_dim=1408, vocab_size=4096, qk_norm=True, qkv_bias=False,
                   tie_embeddings=True)
-_QWEN25 = QwenArgs(family="qwen2.5", dim=512, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=64,
+_QWEN25 = QWEN.args_cls(family="qwen2.5", dim=512, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=64,
                    hidden_dim=1408, vocab_size=4096, qk_norm=False, qkv_bias=True,
                    tie_embeddings=False)
 
 
-def _loss_and_grads(model: QwenModel, tokens, labels, *, recompute: bool = False):
+def _loss_and_grads(model: nn.Module, tokens, labels, *, recompute: bool = False):
     model.zero_grad(set_to_none=True)
     h = model.embed_tokens(tokens)
     cos, sin = rope_tables(model.args, tokens.shape[1], tokens.device)
@@ -148,7 +150,7 @@ def test_fused_loss_and_every_gradient_equal_the_plain_path(args):
     models = {}
     for name, k, dtype in (("fp32", TORCH_KERNELS, torch.float32), ("plain", TORCH_KERNELS, torch.bfloat16),
                            ("fused", liger, torch.bfloat16)):
-        m = QwenModel(args, k)
+        m = QWEN.model_cls(args, k)
         if not models:
             m.init_weights()
         else:

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from models.args import RopeScaling
-from models.flavors import get_flavor
 from models.hf_checkpoint import save_hf_checkpoint
+from models.rope import RopeScaling
+from protocols.model_spec import get_flavor
 from recipes.config import ConfigError, parse_config, resolve_model
 from recipes.model import build_model
 from recipes.preflight import check_run

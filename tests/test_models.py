@@ -3,18 +3,19 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from models.args import QwenArgs
-from models.flavors import PUBLISHED_BILLIONS, get_flavor
 from models.loss import IGNORE_INDEX, chunked_cross_entropy_sum
-from models.qwen import QwenModel, TransformerBlock, rope_tables
+from models.rope import rope_tables
+from protocols.model_spec import ModelArgs, get_flavor, get_model_spec
 
-PUBLISHED = sorted(PUBLISHED_BILLIONS)
+QWEN = get_model_spec("qwen")
+PUBLISHED = sorted(QWEN.published_billions)
 
 
-def meta_model(args: QwenArgs) -> QwenModel:
+def meta_model(args: ModelArgs) -> nn.Module:
     with torch.device("meta"):
-        return QwenModel(args)
+        return QWEN.model_cls(args)
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -24,7 +25,7 @@ def test_parameter_count_matches_the_model_card(name):
     counted = sum(p.numel() for p in model.parameters())
     assert counted == args.num_params()
     # Model cards round to 2-3 digits ("1.7B" for 1.72B); Qwen2.5-32B's says 32.5B for 32.76B.
-    assert counted / 1e9 == pytest.approx(PUBLISHED_BILLIONS[name], rel=0.011, abs=0.03)
+    assert counted / 1e9 == pytest.approx(QWEN.published_billions[name], rel=0.011, abs=0.03)
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -61,14 +62,14 @@ def test_blocks_are_separable_units(name):
     reproduces the model's forward: what the streaming runtime relies on."""
     args = get_flavor(name)
     torch.manual_seed(0)
-    model = QwenModel(args)
+    model = QWEN.model_cls(args)
     model.init_weights()
     tokens = torch.randint(0, args.vocab_size, (2, 24))
     cos, sin = rope_tables(args, 24, "cpu")
     h = model.embed_tokens(tokens)
     for block in model.layers:
         assert not list(block.buffers())
-        standalone = TransformerBlock(args)
+        standalone = QWEN.block_cls(args)
         standalone.load_state_dict(block.state_dict())
         h = standalone(h, cos, sin)
     torch.testing.assert_close(model.norm(h), model(tokens))
@@ -77,7 +78,7 @@ def test_blocks_are_separable_units(name):
 def test_chunked_loss_equals_full_cross_entropy_with_masks():
     args = get_flavor("qwen2.5-debug")
     torch.manual_seed(0)
-    model = QwenModel(args)
+    model = QWEN.model_cls(args)
     model.init_weights()
     tokens = torch.randint(0, args.vocab_size, (3, 20))
     labels = tokens.roll(-1, dims=1)

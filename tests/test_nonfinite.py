@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from models.flavors import get_flavor
-from models.qwen import RMSNorm
+from models.qwen.model import RMSNorm
+from protocols.model_spec import get_flavor
 from recipes.checkpoint import TRAIN_STATE
 from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.baselines.eager import _create_adam_state, build_fsdp2_backend, build_single_backend

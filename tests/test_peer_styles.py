@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from slidedp.config import SlideDPConfig
 from slidedp.host_state import HostStatePlan, host_state_bytes, updates_deferred
 from slidedp.layout import StateLayout

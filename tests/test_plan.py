@@ -174,9 +174,10 @@ def test_a_rate_the_file_lacks_is_said_and_the_memory_still_planned(capsys):
 
 
 def test_the_cache_is_keyed_by_model_and_kernels():
-    from models.flavors import FLAVORS
+    from protocols.model_spec import get_flavor
 
-    keys = {model_key(FLAVORS[f], k) for f in ("qwen3-4B", "qwen3-8B") for k in ("torch", "liger")}
+    keys = {model_key(get_flavor(f), k)
+            for f in ("qwen3-4B", "qwen3-8B") for k in ("torch", "liger")}
     assert len(keys) == 4
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.flavors import FLAVORS, get_flavor
 from models.kernels import TORCH_KERNELS
+from protocols.model_spec import get_flavor
 from recipes.config import JobConfig
 from slidedp.activations import KEEP, RECOMPUTE, measure_costs, parse_policy
 from slidedp.gpu_update import GPU_CHUNK
@@ -53,7 +53,7 @@ def test_what_backward_rebuilds():
     """Nothing under keep; the whole block under recompute, less the block input where keep
     saves it (liger's RMSNorm), as the replay reads it where recompute kept it; a mask's largest
     replayed run, no more; an offloaded part comes back."""
-    args = FLAVORS["qwen3-4B"]
+    args = get_flavor("qwen3-4B")
     keep = {k: activation_bytes(args, KEEP, compute_bytes=2, kernels=k)[0].per_token
             for k in ("torch", "liger")}
     assert rebuilt(args, "keep") == 0 and rebuilt(args, "recompute") == keep["torch"]
@@ -78,7 +78,7 @@ H200_REPORTS = [
 @pytest.mark.parametrize("flavor, policy, gpu_mib, host_mib", H200_REPORTS)
 def test_shape_bytes_are_the_h200_start_up_reports(flavor, policy, gpu_mib, host_mib):
     """Within the reports' rounding to 0.1 MiB (and the SDPA kernel's few fixed bytes)."""
-    gpu, host = activation_bytes(FLAVORS[flavor], parse_policy(policy), compute_bytes=2,
+    gpu, host = activation_bytes(get_flavor(flavor), parse_policy(policy), compute_bytes=2,
                                  kernels="liger")
     assert gpu.at(8, 4096) / MiB == pytest.approx(gpu_mib, abs=0.1)
     assert host.at(8, 4096) / MiB == pytest.approx(host_mib, abs=0.1)
@@ -91,7 +91,7 @@ def test_shape_bytes_are_call_1s_keep_bytes_on_both_paths():
     assert {(r["flavor"], r["kernels"]) for r in rows} == {
         (f, k) for f in ("qwen3-4B", "qwen3-8B") for k in ("torch", "liger")}
     for r in rows:
-        gpu, _ = activation_bytes(FLAVORS[r["flavor"]], parse_policy(r["policy"]),
+        gpu, _ = activation_bytes(get_flavor(r["flavor"]), parse_policy(r["policy"]),
                                   compute_bytes=2, kernels=r["kernels"])
         assert gpu.at(r["batch"], r["seq"]) / (r["batch"] * r["seq"]) == pytest.approx(
             r["saved_bytes_per_token"], abs=0.01)
@@ -120,7 +120,7 @@ def test_segment_mask_peaks_on_the_h200():
     assert {(r["flavor"], r["local_batch"]) for r in masks} == {
         ("qwen3-4B", 8), ("qwen3-8B", 5), ("qwen3-8B", 6)}
     for r in masks:
-        est = estimate_device_memory(_slidedp_config(r), FLAVORS[r["flavor"]], world=1,
+        est = estimate_device_memory(_slidedp_config(r), get_flavor(r["flavor"]), world=1,
                                      kernels=r["kernels"])
         assert 1.0 < est.total / GiB / r["peak_mem_alloc_gib"] < 1.10, r
 
@@ -143,7 +143,7 @@ def test_the_embeddings_state_on_the_device_is_a_later_peak(world):
     is freed by then) or, when backward ends, the reduced gradient shard waiting for the norm. At one sequence under recompute, on one rank it is above backward's start
     and the estimate grows by the difference; on two the half shard stays below. At eight
     sequences under keep it is far below, and nothing changes."""
-    args = FLAVORS["qwen3-4B"]
+    args = get_flavor("qwen3-4B")
     shard = StateLayout(args, world=world).embed.padded // world
     state = 12 * shard + 6 * min(shard, GPU_CHUNK)
     block = activation_bytes(args, RECOMPUTE, compute_bytes=2, kernels="liger")[0].at(1, 4096)
@@ -175,7 +175,7 @@ def test_resident_optimizer_state_is_held_on_the_device_for_the_whole_run(max_no
     and BF16 gradient piece are resident;
     deferred (clipping), the reduced shards (2 B/param) wait on the device for the norm; none of
     it streams."""
-    args, world = FLAVORS["qwen3-4B"], 2
+    args, world = get_flavor("qwen3-4B"), 2
     units = StateLayout(args, world=world).units
     shards = [units[i].padded // world for i in range(19)]  # the embedding, blocks 0-17
     config = _embedding_update_config(batch=2, activation="selective", where="host")

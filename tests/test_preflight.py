@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from models.args import RopeScaling
-from models.flavors import FLAVORS, get_flavor
 from models.hf_checkpoint import save_hf_checkpoint
+from models.rope import RopeScaling
+from protocols.model_spec import get_flavor
 from recipes.config import ConfigError, JobConfig, parse_config
 from recipes.model import build_model
 from recipes.preflight import (check_device_memory, check_host_memory, check_run, check_seq_len,
@@ -180,9 +180,9 @@ MEASURED = [
 def test_estimate_is_near_the_measured_peak(mode, flavor, batch, slidedp, measured):
     """Close to what was measured, and none of these runs, which fit, is refused on an H200."""
     config = gpu_config(mode, batch=batch, **slidedp)
-    est = device_memory(config, FLAVORS[flavor], world=2)
+    est = device_memory(config, get_flavor(flavor), world=2)
     assert 0.9 < est.total / GiB / measured < 1.2
-    check_device_memory(config, FLAVORS[flavor], world=2, capacity=H200)
+    check_device_memory(config, get_flavor(flavor), world=2, capacity=H200)
 
 
 # Peak allocated GiB on one H200 (docs/results/2026-12-01-h200/h200_call3_runs.jsonl), Qwen3-4B,
@@ -205,14 +205,14 @@ def test_estimate_is_near_the_measured_peak_on_both_kernel_paths(mode, kernels, 
     config = gpu_config(mode, batch=batch, activation=activations if mode == "slidedp" else "recompute")
     config.activation_checkpoint.mode = "full" if activations == "full" else "none"
     config.training.dtype = "bf16"
-    est = device_memory(config, FLAVORS["qwen3-4B"], world=1, kernels=kernels)
+    est = device_memory(config, get_flavor("qwen3-4B"), world=1, kernels=kernels)
     # Full recompute counts a whole rebuilt block beside the inputs: up to 23% over.
     assert 0.95 < est.total / GiB / measured < 1.25
-    check_device_memory(config, FLAVORS["qwen3-4B"], world=1, capacity=H200, kernels=kernels)
+    check_device_memory(config, get_flavor("qwen3-4B"), world=1, capacity=H200, kernels=kernels)
 
 
 def test_estimate_follows_the_shapes():
-    args = FLAVORS["qwen3-8B"]
+    args = get_flavor("qwen3-8B")
     keep, selective, recompute, offloaded = (
         activation_bytes(args, parse_policy(p), compute_bytes=2)[0].per_token
         for p in ("keep", "selective", "recompute", "selective@offload=1"))
@@ -229,7 +229,7 @@ def test_estimate_follows_the_shapes():
 
 
 def test_device_memory_refused_with_the_numbers():
-    args, capacity = FLAVORS["qwen3-8B"], 140 * GiB
+    args, capacity = get_flavor("qwen3-8B"), 140 * GiB
     check_device_memory(gpu_config("slidedp", batch=48), args, world=2, capacity=capacity)
     config = gpu_config("slidedp", batch=96)
     with pytest.raises(ConfigError) as info:
@@ -241,7 +241,7 @@ def test_device_memory_refused_with_the_numbers():
     bigger = gpu_config("slidedp", batch=fits + 1)
     assert device_memory(bigger, args, world=2).total > capacity
     with pytest.raises(ConfigError, match='alone do not fit: use parallelism.mode = "slidedp"'):
-        check_device_memory(gpu_config("single", batch=1), FLAVORS["qwen3-14B"], world=1,
+        check_device_memory(gpu_config("single", batch=1), get_flavor("qwen3-14B"), world=1,
                             capacity=capacity)
 
 
@@ -253,7 +253,7 @@ def test_qwen3_8b_with_clipping_fits_the_one_h200_host():
     """Qwen3-8B with the default clipping (max_norm = 1.0) and the shadow on one H200 (128 GiB
     of RAM): 14 B/param, 106.8 GiB, where an FP32 gradient buffer made it 18 (137 GiB). The
     start-up check agrees; with accumulation (+4 B/param) it refuses, naming the numbers."""
-    config, args = gpu_config("slidedp", batch=16), FLAVORS["qwen3-8B"]
+    config, args = gpu_config("slidedp", batch=16), get_flavor("qwen3-8B")
     assert config.training.max_norm == 1.0 and config.slidedp.bf16_shadow
     for shadow in (True, False):  # without the shadow the gradients take its 2 B/param
         shared = slidedp_host_bytes(config, args, world=1, bf16_shadow=shadow)
@@ -272,7 +272,7 @@ def test_estimate_counts_the_reduced_gradients_held_on_the_device():
     """Without the shadow and with updates during backward (12 B/param of host memory), each
     reduced gradient waits for its update on the GPU: the estimate counts one step's, 2/R
     B/param, where activations are freed; a deferred or shadowed run holds them on the host."""
-    args = FLAVORS["qwen3-8B"]
+    args = get_flavor("qwen3-8B")
     for world in (1, 2):
         held = gpu_config("slidedp", batch=1, bf16_shadow=False)
         held.training.max_norm, held.training.nonfinite = 0.0, "off"
@@ -287,7 +287,7 @@ def test_estimate_counts_the_reduced_gradients_held_on_the_device():
 
 
 def test_host_memory_refused_with_the_numbers():
-    config, args = gpu_config("slidedp", batch=1), FLAVORS["qwen2.5-72B"]
+    config, args = gpu_config("slidedp", batch=1), get_flavor("qwen2.5-72B")
     with pytest.raises(ConfigError, match=r"slidedp: the host state needs .* GiB .*MemAvailable"):
         check_host_memory(config, args, world=2, on_cpu=False, available=256 * GiB,
                           total=2048 * GiB)

@@ -20,8 +20,8 @@ import torch
 from packaging.specifiers import SpecifierSet
 from safetensors.torch import load_file
 
-from models.flavors import get_flavor
 from models.hf_checkpoint import save_hf_checkpoint
+from protocols.model_spec import get_flavor
 from recipes.config import ConfigError, parse_config
 from recipes.model import build_model
 from slidedp.plan.rates import load_rates

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint, staging_dir
 from slidedp.host_state import HostStatePlan, SharedHostState
 from slidedp.layout import StateLayout

@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 
-from models.args import QwenArgs, RopeScaling
-from models.flavors import FLAVORS
 from models.hf_checkpoint import args_from_hf_config, to_hf_config
-from models.qwen import rope_tables
-from models.rope import inv_frequencies, rope_scaling_from_hf, rope_scaling_to_hf
+from models.rope import (RopeScaling, inv_frequencies, rope_scaling_from_hf, rope_scaling_to_hf,
+                         rope_tables)
+from protocols.model_spec import ModelArgs, get_model_spec
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
@@ -43,13 +42,15 @@ CASES = [
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, [4096]),
 ]
 
+QWEN = get_model_spec("qwen")
 
-def with_scaling(flavor: str, rope_scaling: dict) -> QwenArgs:
+
+def with_scaling(flavor: str, rope_scaling: dict) -> ModelArgs:
     """The flavor read back from its config.json with `rope_scaling` set."""
-    return args_from_hf_config({**to_hf_config(FLAVORS[flavor]), "rope_scaling": rope_scaling})
+    return args_from_hf_config({**to_hf_config(QWEN.flavors[flavor]), "rope_scaling": rope_scaling})
 
 
-def hf_config(args: QwenArgs):
+def hf_config(args: ModelArgs):
     cls = transformers.Qwen3Config if args.family == "qwen3" else transformers.Qwen2Config
     return cls(**to_hf_config(args))
 
@@ -76,7 +77,7 @@ def test_frequencies_equal_transformers(flavor, rope_scaling, seq_lens):
 
 
 def test_default_frequencies_equal_transformers():
-    args = FLAVORS["qwen3-8B"]
+    args = QWEN.flavors["qwen3-8B"]
     config = hf_config(args)
     theirs, factor = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding \
         .compute_default_rope_parameters(config)
@@ -106,7 +107,7 @@ def test_qwen_model_card_dict_round_trips():
 
 
 def test_positions_a_model_takes():
-    qwen3 = FLAVORS["qwen3-8B"]
+    qwen3 = QWEN.flavors["qwen3-8B"]
     assert qwen3.max_positions() == 40960 and qwen3.rope_scaling is None
     assert with_scaling("qwen3-8B", QWEN3_CARD_YARN).max_positions() == 131_072
     yarn8 = with_scaling("qwen3-8B", {**QWEN3_CARD_YARN, "factor": 8.0})

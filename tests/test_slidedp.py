@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from protocols.reconfigure import Knobs
 from recipes.baselines.eager import build_single_backend
 from recipes.config import JobConfig
@@ -269,6 +269,20 @@ def test_three_ranks_untied_qwen25(request, slidedp_runs):
     sharded, replicated = (r["counters"][0] for r in results[:2])
     assert sharded["traffic_h2d_mb"] * 3 == pytest.approx(replicated["traffic_h2d_mb"])
     assert sharded["traffic_d2h_mb"] * 3 == pytest.approx(replicated["traffic_d2h_mb"])
+
+
+CASES["test_two_ranks_llama3"] = Case(
+    2, "llama3-debug", steps=2, accum=2, max_norm=0.5, variants=[
+        {"delivery": "sharded", "reduction": "gpu", "activation": "selective"}])
+
+
+def test_two_ranks_llama3(request, slidedp_runs):
+    """A second model family through the seam (models/llama3/): untied, llama3 RoPE scaling,
+    no QK-norm, on the spec's units, embedding and head step."""
+    case, results = slidedp_runs(request.node.name)
+    ref_losses, ref_weights = single_reference(world=2, **case.kw)
+    assert_matches_reference(results, ref_losses, ref_weights)
+    assert "lm_head.weight" in ref_weights and not any("q_norm" in n for n in ref_weights)
 
 
 def assert_bit_identical(a: dict, b: dict) -> None:
@@ -721,11 +735,12 @@ def _shmem_bytes() -> int:
 
 KILLED_RANK = """
 import os, signal, sys, torch
-from models.args import QwenArgs
+from dataclasses import replace
+from protocols.model_spec import get_flavor
 from slidedp.host_state import HostStatePlan, SharedHostState
 from slidedp.layout import StateLayout
-args = QwenArgs(family="qwen3", dim=512, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64,
-                hidden_dim=1536, vocab_size=32768, qk_norm=True, qkv_bias=False, tie_embeddings=False)
+args = replace(get_flavor("qwen3-debug"), dim=512, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64,
+               hidden_dim=1536, vocab_size=32768, tie_embeddings=False)
 plan = HostStatePlan(bf16_shadow=True, grad_bf16=False, grad_accum=False, cpu_staging=False)
 state = SharedHostState(StateLayout(args, world=1), plan, rank=0, world=1, share=lambda s: s,
                         barrier=lambda: None, pin=False)
@@ -755,12 +770,12 @@ def test_shared_state_is_released_when_a_rank_is_killed():
 def test_host_state_starts_from_a_hugging_face_checkpoint(tmp_path, flavor):
     """model.hf_dir streams the checkpoint into the shared FP32 master (and BF16 shadow)."""
     from models.hf_checkpoint import save_hf_checkpoint
-    from models.qwen import QwenModel
+    from protocols.model_spec import spec_of
     from slidedp.engine import SlideDPBackend
 
     args = get_flavor(flavor)
     torch.manual_seed(123)
-    model = QwenModel(args)
+    model = spec_of(args).model_cls(args)
     model.init_weights()
     save_hf_checkpoint(model.named_parameters(), args, tmp_path / "hf", dtype=torch.float32,
                        max_shard_bytes=2**17)
@@ -780,7 +795,7 @@ def test_host_state_starts_from_a_hugging_face_checkpoint(tmp_path, flavor):
 
 FAILING_STEP = """
 import sys, torch, torch.distributed as dist
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from slidedp.engine import SlideDPBackend
 from tests.slidedp_worker import make_config
 dist.init_process_group("gloo")
@@ -831,7 +846,7 @@ def test_a_failing_step_ends_every_rank_promptly(tmp_path, delivery, max_norm, e
 
 NO_THREAD_LEFT = """
 import torch, torch.distributed as dist
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from slidedp.engine import SlideDPBackend
 from tests.rank_exit import assert_no_gloo_thread_left, gloo_threads
 from tests.slidedp_worker import make_config
@@ -950,7 +965,7 @@ def test_a_large_models_units_are_drawn_at_once_as_drawn_one_by_one(monkeypatch)
     draw several units at once: every unit's master is what its own generator draws alone, in
     the unit's parameter order, and the shadow is its BF16 copy."""
     import slidedp.engine as engine
-    from models.qwen import init_parameter
+    from protocols.model_spec import spec_of
 
     monkeypatch.setattr(engine, "PARALLEL_INIT_PARAMS", 0)
     args = get_flavor("qwen3-debug")
@@ -962,7 +977,7 @@ def test_a_large_models_units_are_drawn_at_once_as_drawn_one_by_one(monkeypatch)
             gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
             for p in unit.params:
                 want = torch.empty(p.shape)
-                init_parameter(p.name, want, generator=gen)
+                spec_of(args).init_parameter(p.name, want, generator=gen)
                 assert torch.equal(backend._master_view(p.name), want), p.name
             assert torch.equal(backend.state.unit_view("shadow", unit.index),
                                backend.state.unit_view("master", unit.index).bfloat16())

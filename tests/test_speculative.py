@@ -6,7 +6,7 @@ case) and tests/test_nonfinite.py (a skipped step undone)."""
 import pytest
 import torch
 
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from slidedp.config import SlideDPConfig
 from slidedp.host_state import HostStatePlan, host_state_bytes
 from slidedp.layout import StateLayout

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from models.flavors import get_flavor
+from protocols.model_spec import get_flavor
 from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.plan.rates import Machine, Rates, load_rates, timing_key
 from slidedp.plan.simulate import Simulation

@@ -14,7 +14,7 @@ import torch
 
 from models.hf_checkpoint import load_hf_into_model, match_flavor, read_hf_config
 from models.loss import chunked_cross_entropy_sum
-from models.qwen import QwenModel
+from protocols.model_spec import spec_of
 from recipes.data import PackedDataLoader, load_tokenizer
 from tests.conftest import REPO, run_torchrun
 
@@ -88,7 +88,7 @@ def test_debug_config_trains_logs_and_saves(single_run):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(hf_dir))
     args = read_hf_config(hf_dir)
     assert match_flavor(args) == "qwen3-debug"
-    model = QwenModel(args)
+    model = spec_of(args).model_cls(args)
     load_hf_into_model(model, hf_dir)
     tokenizer, eos_id = load_tokenizer(hf_dir)
     loader = PackedDataLoader(os.path.join(REPO, "tests/assets/tiny/corpus.jsonl"), tokenizer,

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.args import QwenArgs
-from models.qwen import QwenModel, init_parameter
 from protocols.backend import Batch, StepResult
+from protocols.model_spec import ModelArgs, spec_of
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
 from recipes.config import JobConfig
 from recipes.model import build_kernels, build_model
@@ -210,7 +209,7 @@ def _release_dtensor_caches() -> None:
             clear()
 
 
-def build_single_backend(config: JobConfig, args: QwenArgs, *,
+def build_single_backend(config: JobConfig, args: ModelArgs, *,
                          device: torch.device) -> EagerBackend:
     """FP32 weights on one device; BF16 compute through autocast."""
     model = build_model(args, seed=config.training.seed, hf_dir=config.model.hf_dir,
@@ -221,7 +220,7 @@ def build_single_backend(config: JobConfig, args: QwenArgs, *,
 
 
 @torch.no_grad()
-def _init_sharded_weights(model: QwenModel, *, seed: int) -> None:
+def _init_sharded_weights(model: nn.Module, *, seed: int) -> None:
     """Random init of FSDP2-sharded parameters: every rank draws each full parameter on its
     device from the same seeded stream and keeps its shard. The result does not depend on the
     world size and, on the CPU, equals build_model's. (DTensor's own random ops are not used:
@@ -231,13 +230,13 @@ def _init_sharded_weights(model: QwenModel, *, seed: int) -> None:
     torch.manual_seed(seed)
     for name, param in model.named_parameters():
         full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
-        init_parameter(name, full)
+        spec_of(model.args).init_parameter(name, full)
         shard = distribute_tensor(full, param.device_mesh, param.placements,
                                   src_data_rank=None)  # None: slice locally, no scatter
         param.to_local().copy_(shard.to_local())  # into host memory under CPU offload
 
 
-def build_fsdp2_backend(config: JobConfig, args: QwenArgs, *, device: torch.device) -> EagerBackend:
+def build_fsdp2_backend(config: JobConfig, args: ModelArgs, *, device: torch.device) -> EagerBackend:
     """FSDP2 over all ranks of the default process group: one shard group per block plus the
     root (embedding, final norm, head); BF16 all-gathers and FP32 gradient reduce-scatters.
     With parallelism.fsdp_cpu_offload, FSDP2's CPUOffloadPolicy: the FP32 shards, their
@@ -252,7 +251,7 @@ def build_fsdp2_backend(config: JobConfig, args: QwenArgs, *, device: torch.devi
     kernels = build_kernels(config, device=device)
     if training.init_on_meta:
         with torch.device("meta"):
-            model = QwenModel(args, kernels)
+            model = spec_of(args).model_cls(args, kernels)
     else:
         model = build_model(args, seed=training.seed, hf_dir=config.model.hf_dir, kernels=kernels)
     apply_activation_checkpointing(model, mode=config.activation_checkpoint.mode)

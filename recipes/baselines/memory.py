@@ -22,9 +22,9 @@ for BF16, 4 for FP32):
 
 import math
 
-from models.args import QwenArgs
+from protocols.model_spec import ModelArgs, spec_of
 from recipes.config import JobConfig
-from slidedp.activations import KEEP, RECOMPUTE
+from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy
 from slidedp.plan.memory import CachedOutputs, Footprint
 from slidedp.plan.predict import compute_dtype
 
@@ -32,20 +32,22 @@ FSDP_UNSHARDED_BLOCKS = 3
 """fsdp2, ZeRO-3: blocks unsharded at once (the one computing, the prefetched one, the last
 block, which stays unsharded after forward)."""
 
-OP_SELECTIVE = CachedOutputs(frozenset(("q0", "v", "gate", "down_mm", "o", "lse")))
-"""torchtitan's op-level policy (recipes/baselines/activation_checkpoint.py): every other
-matmul's output (q, v, gate, down) and SDPA's."""
+def _checkpointing(mode: str, args: ModelArgs) -> ActivationPolicy | CachedOutputs:
+    """What each block keeps under activation_checkpoint.mode; "selective" is torchtitan's
+    op-level policy (recipes/baselines/activation_checkpoint.py): every other matmul's output
+    (for Qwen q, v, gate, down) and SDPA's."""
+    if mode == "selective":
+        outputs = spec_of(args).saved.op_outputs
+        return CachedOutputs(frozenset(outputs["matmul"][::2] + outputs["attention"]))
+    return {"none": KEEP, "full": RECOMPUTE}[mode]
 
-CHECKPOINTING = {"none": KEEP, "full": RECOMPUTE, "selective": OP_SELECTIVE}
-"""activation_checkpoint.mode -> what each block keeps."""
 
-
-def baseline_footprint(config: JobConfig, args: QwenArgs, *, world: int) -> Footprint:
+def baseline_footprint(config: JobConfig, args: ModelArgs, *, world: int) -> Footprint:
     """The resident bytes and gradients of `config`'s mode (module docstring), its blocks'
     checkpointing, and its compute dtype (DeepSpeed always computes in BF16)."""
     mode, n = config.parallelism.mode, args.num_params()
     b = 2 if compute_dtype(config) == "bf16" else 4
-    policies = [CHECKPOINTING[config.activation_checkpoint.mode]] * args.n_layers
+    policies = [_checkpointing(config.activation_checkpoint.mode, args)] * args.n_layers
     block = args.block_params()
     root = n - args.n_layers * block
     if mode == "single":

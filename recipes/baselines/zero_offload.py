@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.args import QwenArgs
-from models.qwen import QwenModel
 from protocols.backend import Batch, StepResult
+from protocols.model_spec import ModelArgs
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
 from recipes.config import JobConfig
 from recipes.model import build_kernels, build_model
@@ -89,7 +88,7 @@ class _LossModel(nn.Module):
     step uses: the output head is read by loss_sum, not through a submodule's forward, so under
     ZeRO-3 it is registered as an external parameter to be gathered."""
 
-    def __init__(self, model: QwenModel, *, chunk_tokens: int, zero_stage: int) -> None:
+    def __init__(self, model: nn.Module, *, chunk_tokens: int, zero_stage: int) -> None:
         super().__init__()
         self.model, self.chunk_tokens = model, chunk_tokens
         if zero_stage == 3:
@@ -148,7 +147,7 @@ class DeepSpeedBackend:
             torch.cuda.empty_cache()
 
 
-def build_deepspeed_backend(config: JobConfig, args: QwenArgs, *,
+def build_deepspeed_backend(config: JobConfig, args: ModelArgs, *,
                             device: torch.device) -> DeepSpeedBackend:
     """DeepSpeed's engine over the default process group, from the same seeded FP32 model as
     every other mode (its activation checkpointing applied first)."""

@@ -16,11 +16,11 @@ import argparse
 from dataclasses import asdict
 
 import torch
+from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from models.flavors import get_flavor
 from models.kernels import resolve_kernels
-from models.qwen import TransformerBlock, init_parameter, rope_tables
+from protocols.model_spec import get_flavor, spec_of
 from recipes.bench.rows import emit
 from slidedp.activations import (BlockSegments, Offloader, WeightRefs, as_streamed, block_input,
                                  measure_costs, parse_policy)
@@ -28,7 +28,7 @@ from slidedp.streams import Streams
 from slidedp.traffic import Traffic
 
 
-def allocated_per_token(policy, block: TransformerBlock, args, kernels, *, batch: int, seq: int,
+def allocated_per_token(policy, block: nn.Module, args, kernels, *, batch: int, seq: int,
                         host_bytes: int, device: torch.device) -> float:
     """GPU bytes per token one block keeps after its forward under `policy` (CUDA only)."""
     flat, weights = as_streamed(block)
@@ -37,8 +37,8 @@ def allocated_per_token(policy, block: TransformerBlock, args, kernels, *, batch
     offloader.pool.allocate(host_bytes)
     refs = WeightRefs([flat], lambda unit: flat)
     with torch.device("meta"):
-        segments = BlockSegments(TransformerBlock(args, kernels))
-    rope = rope_tables(args, seq, device)
+        segments = BlockSegments(spec_of(args).block_cls(args, kernels))
+    rope = spec_of(args).rope_tables(args, seq, device)
     x = torch.randn(batch, seq, args.dim, device=device, dtype=torch.bfloat16)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
@@ -72,10 +72,11 @@ def main() -> None:
         costs = measure_costs(policies, args, kernels, device=device, seq_len=a.seq)
         block = None
         if device.type == "cuda":
-            block = TransformerBlock(args, kernels).to(device=device, dtype=torch.bfloat16)
+            spec = spec_of(args)
+            block = spec.block_cls(args, kernels).to(device=device, dtype=torch.bfloat16)
             with torch.no_grad():
                 for pname, param in block.named_parameters():
-                    init_parameter(pname, param)
+                    spec.init_parameter(pname, param)
         for policy in policies:
             cost = costs[policy]
             gpu, host = cost.gpu.at(a.batch, a.seq), cost.host.at(a.batch, a.seq)

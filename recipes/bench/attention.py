@@ -21,8 +21,8 @@ from typing import get_args
 import torch
 import torch.nn.functional as F
 
-from models.flavors import get_flavor
 from models.kernels import TORCH_KERNELS, AttentionChoice, sdpa_backend_used
+from protocols.model_spec import get_flavor
 from recipes.bench.rows import emit
 
 BACKENDS = ("cudnn", "flash", "efficient")

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from models.flavors import get_flavor
 from models.hf_checkpoint import to_hf_config
+from protocols.model_spec import get_flavor
 from recipes.baselines.eager import clip_grad_norm
 from recipes.bench.rows import emit, exit_if_invalid, training
 from recipes.metrics import memory, throughput

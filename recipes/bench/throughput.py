@@ -35,10 +35,9 @@ from typing import get_args
 import torch
 import torch.distributed as dist
 
-from models.args import QwenArgs
 from models.kernels import Kernels, sdpa_backend_used
-from models.qwen import QwenModel
 from protocols.backend import StepResult
+from protocols.model_spec import ModelArgs, spec_of
 from protocols.reconfigure import Knobs
 from recipes.config import ConfigError, JobConfig, resolve_model
 from recipes.metrics import gpu_name, memory, throughput
@@ -60,10 +59,10 @@ from slidedp.update_order import UPDATE_ORDERS
 class _Reference:
     """Forward + backward of the resident BF16 model: the compute-only reference."""
 
-    def __init__(self, args: QwenArgs, *, device: torch.device, ac: str, loss_chunk: int,
+    def __init__(self, args: ModelArgs, *, device: torch.device, ac: str, loss_chunk: int,
                  kernels: Kernels):
         with torch.device("meta"):
-            model = QwenModel(args, kernels)
+            model = spec_of(args).model_cls(args, kernels)
         model.to_empty(device=device)
         model.init_weights()
         self.model = model.to(torch.bfloat16)
@@ -335,7 +334,7 @@ def _train_step(backend, *, accum: int, tokens: int):
     return step
 
 
-def _measure(a: argparse.Namespace, step, *, args: QwenArgs, batch: int, name: str, rank: int,
+def _measure(a: argparse.Namespace, step, *, args: ModelArgs, batch: int, name: str, rank: int,
              world: int, device: torch.device) -> dict:
     """`--warmup` steps, the median of `--steps` timed ones (device synchronized), the means of
     the backend's counters over them, what each trained (rows.training), and with
@@ -384,7 +383,7 @@ def _measure(a: argparse.Namespace, step, *, args: QwenArgs, batch: int, name: s
                        [r.skipped for r in results])}
 
 
-def _runtime_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
+def _runtime_state(a: argparse.Namespace, backend, args: ModelArgs) -> dict:
     """The runtime style and the host state the build runs with (the shadow as the host state
     has it: a peer runtime style sets its own)."""
     return {"runtime": a.runtime, "bf16_shadow": backend.state.plan.bf16_shadow,
@@ -394,7 +393,7 @@ def _runtime_state(a: argparse.Namespace, backend, args: QwenArgs) -> dict:
             "host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
 
 
-def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: int, accum: int,
+def _row(a: argparse.Namespace, *, args: ModelArgs, route: str, ac: str, batch: int, accum: int,
          slidedp: dict, measured: dict, kernels: str, attention_op: str, world: int,
          device: torch.device, label: str | None = None) -> dict:
     """One measured point as a JSONL row (its configuration, then what was measured)."""
@@ -419,7 +418,7 @@ def _row(a: argparse.Namespace, *, args: QwenArgs, route: str, ac: str, batch: i
             **{k: v for k, v in measured.items() if k != "step_time_s"}}
 
 
-def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args: QwenArgs,
+def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args: ModelArgs,
                 rank: int, world: int, device: torch.device) -> dict:
     """AutoPolicy (slidedp/plan/live.py) on this build at `--autopolicy` sequences per GPU,
     then its choice measured like every point: its row, labelled "autopolicy", with the

@@ -89,7 +89,7 @@ def parser(doc: str, *, systems: str = "", batches: bool = False,
     if batches:
         p.add_argument("--batches", help="local batch sizes, ascending")
     p.add_argument("--out-dir", help="output folder (default docs/results/<experiment>)")
-    p.add_argument("--flavor", help="model flavor (models/flavors.py)")
+    p.add_argument("--flavor", help="model flavor (a models/<name>/ package's flavors)")
     p.add_argument("--seq", type=int, help="tokens per sequence")
     p.add_argument("--kernels", default="auto", choices=("auto", "liger", "torch"))
     p.add_argument("--max-norm", type=float,

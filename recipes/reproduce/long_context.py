@@ -9,7 +9,7 @@ by default (WARM_BELOW).
 
 import math
 
-from models.flavors import FLAVORS
+from protocols.model_spec import get_flavor
 from recipes.reproduce.common import (GPU_ALLOC, GPU_RESERVED, SYSTEM, TOKENS, WORLD, Column,
                                       log2_axis, parser, select_systems, start, write_outputs)
 
@@ -31,7 +31,7 @@ COLUMNS = [SYSTEM, Column("seq", "tokens/sequence"), Column("rope_scaling", "RoP
 
 def rope_flags(flavor: str, seq: int) -> list[str]:
     """YaRN over the native positions when `seq` exceeds the flavor's positions."""
-    if seq <= FLAVORS[flavor].max_position_embeddings:
+    if seq <= get_flavor(flavor).max_position_embeddings:
         return []
     factor = 2 ** math.ceil(math.log2(seq / NATIVE))
     return ["--rope-scaling-type", "yarn", "--rope-scaling-factor", str(factor),

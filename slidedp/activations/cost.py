@@ -20,13 +20,13 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from models.activation_memory import SavedStorages
-from models.args import QwenArgs
 from models.kernels import Kernels
-from models.qwen import TransformerBlock, init_parameter, rope_tables
+from protocols.model_spec import ModelArgs, spec_of
 from slidedp.activations.policy import KEEP, ActivationPolicy, format_blocks
 from slidedp.activations.segments import BlockSegments, block_input
 
@@ -140,13 +140,13 @@ class _Probe:
     backward_flops: int
 
 
-def _probe(policy: ActivationPolicy, block: TransformerBlock, args: QwenArgs,
+def _probe(policy: ActivationPolicy, block: nn.Module, args: ModelArgs,
            shape: tuple[int, int], device: torch.device) -> _Probe:
     from torch.utils.flop_counter import FlopCounterMode
 
     weights = dict(block.named_parameters())
     batch, seq = shape
-    rope = rope_tables(args, seq, device)
+    rope = spec_of(args).rope_tables(args, seq, device)
     h = torch.randn(batch, seq, args.dim, device=device, dtype=torch.bfloat16)
     grads: list[torch.Tensor] = []
     with (SavedStorages(exclude=weights.values()) as saved, _OutputsOf(policy.cached_ops) as sac,
@@ -167,22 +167,22 @@ def _per_token_at(f1: float, f2: float, seq: int) -> float:
     return f1 / s1 + b * (seq - s1)
 
 
-def measure_costs(policies: Iterable[ActivationPolicy], args: QwenArgs, kernels: Kernels, *,
+def measure_costs(policies: Iterable[ActivationPolicy], args: ModelArgs, kernels: Kernels, *,
                   device: torch.device, seq_len: int) -> dict[ActivationPolicy, BlockCost]:
     """Each policy's BlockCost for one block of `args` on `kernels` and `device`."""
     with torch.device("meta"):
-        block = TransformerBlock(args, kernels).to(torch.bfloat16)
+        block = spec_of(args).block_cls(args, kernels).to(torch.bfloat16)
     block = block.to_empty(device=device)
     # The probes draw random weights and inputs without moving the run's generators.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         return _measure(policies, block, args, device=device, seq_len=seq_len)
 
 
-def _measure(policies: Iterable[ActivationPolicy], block: TransformerBlock, args: QwenArgs, *,
+def _measure(policies: Iterable[ActivationPolicy], block: nn.Module, args: ModelArgs, *,
              device: torch.device, seq_len: int) -> dict[ActivationPolicy, BlockCost]:
     with torch.no_grad():
         for name, p in block.named_parameters():
-            init_parameter(name, p)
+            spec_of(args).init_parameter(name, p)
     probes: dict[ActivationPolicy, list[_Probe]] = {}  # by policy without offload
 
     def runs_of(policy: ActivationPolicy) -> list[_Probe]:

@@ -2,12 +2,12 @@
 
 A policy decides what a block's forward saves for its backward and what the backward replays:
 
-- `SegmentMask(kept=...)`: the block is its BLOCK_SEGMENTS (models/qwen.py). A kept segment runs
+- `SegmentMask(kept=...)`: the block is its segments (its ModelSpec's). A kept segment runs
   under plain autograd, so what its backward needs is saved and it is never replayed. Each run of
   consecutive replayed segments runs under torch's non-reentrant checkpoint, which saves only
   the run's inputs (the boundary tensors; its weights as references) and replays the run in
   backward, stopping once the last tensor backward needs is rebuilt. Exact for any kernels,
-  custom autograd Functions (liger's) included. `keep` keeps all eight segments; `recompute`
+  custom autograd Functions (liger's) included. `keep` keeps every segment; `recompute`
   none: one checkpoint over the block, which saves only the block's input.
 - `SavedOps(ops=...)`: full recompute, except that forward saves the outputs of the named aten
   ops (torch's selective activation checkpointing, like torchtitan's op-level policy):
@@ -37,13 +37,17 @@ import torch
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-from models.qwen import BLOCK_SEGMENTS
+from protocols.model_spec import known_segments
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 SegmentRunner = Callable[[tuple[str, ...], tuple[torch.Tensor, ...], dict[str, torch.Tensor], Rope],
                          tuple[torch.Tensor, ...]]
 """(segment names, the tensors before the first, weights by parameter name, rope) -> the tensors
-after the last (slidedp/activations/segments.py: BlockSegments)."""
+after the last (slidedp/activations/segments.py: BlockSegments, whose `names` are the block's
+segments in order)."""
+
+SEGMENTS = known_segments()
+"""The segment names a SegmentMask may keep: every registered block's."""
 
 _aten = torch.ops.aten
 
@@ -118,35 +122,35 @@ def _checkpointed(segments: SegmentRunner, names: tuple[str, ...],
 class SegmentMask(ActivationPolicy):
     """Keep the named segments, replay the others (module docstring)."""
 
-    kept: frozenset[str] = frozenset(BLOCK_SEGMENTS)
-    """Segments of BLOCK_SEGMENTS whose backward needs no replay."""
+    kept: frozenset[str] = frozenset(SEGMENTS)
+    """Segments whose backward needs no replay (a block's others are replayed)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "kept", frozenset(self.kept))  # hashable whatever was given
-        unknown = sorted(self.kept - set(BLOCK_SEGMENTS))
+        unknown = sorted(self.kept - set(SEGMENTS))
         if unknown:
             raise ValueError(f"unknown segment {unknown[0]!r} "
-                             f"(segments: {', '.join(BLOCK_SEGMENTS)})")
+                             f"(segments: {', '.join(SEGMENTS)})")
 
     @property
     def base(self) -> str:
-        if self.kept == frozenset(BLOCK_SEGMENTS):
+        if self.kept == frozenset(SEGMENTS):
             return "keep"
         if not self.kept:
             return "recompute"
-        return f"segments({'+'.join(s for s in BLOCK_SEGMENTS if s in self.kept)})"
+        return f"segments({'+'.join(s for s in SEGMENTS if s in self.kept)})"
 
     @property
     def replays(self) -> str:
-        replayed = [s for s in BLOCK_SEGMENTS if s not in self.kept]
+        replayed = [s for s in SEGMENTS if s not in self.kept]
         if not replayed:
             return "nothing"
         return "+".join(replayed) if self.kept else "the whole block"
 
     def forward(self, segments, h, weights, rope):
         state = (h,)
-        for kept, run in groupby(BLOCK_SEGMENTS, key=self.kept.__contains__):
+        for kept, run in groupby(segments.names, key=self.kept.__contains__):
             names = tuple(run)
             state = (segments(names, state, weights, rope) if kept else
                      _checkpointed(segments, names, state, weights, rope))
@@ -189,7 +193,8 @@ class SavedOps(ActivationPolicy):
 
     def forward(self, segments, h, weights, rope):
         context = partial(create_selective_checkpoint_contexts, partial(_save_ops, self.cached_ops))
-        return _checkpointed(segments, BLOCK_SEGMENTS, (h,), weights, rope, context_fn=context)[0]
+        return _checkpointed(segments, segments.names, (h,), weights, rope,
+                             context_fn=context)[0]
 
 
 KEEP, RECOMPUTE, SELECTIVE = SegmentMask(), SegmentMask(kept=frozenset()), SavedOps()

@@ -5,11 +5,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from models.qwen import TransformerBlock
 
 
 class _Segments(nn.Module):
-    def __init__(self, block: TransformerBlock):
+    def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
 
@@ -18,11 +17,13 @@ class _Segments(nn.Module):
 
 
 class BlockSegments:
-    """Runs TransformerBlock.run_segments of a (meta-device) template with the given weights,
-    through functional_call: no module owns the streamed weights."""
+    """Runs a (meta-device) template block's run_segments (its ModelSpec's block_cls) with the
+    given weights, through functional_call: no module owns the streamed weights."""
 
-    def __init__(self, template: TransformerBlock):
+    def __init__(self, template: nn.Module):
         self._module = _Segments(template)
+        self.names: tuple[str, ...] = template.segments
+        """The block's segments, in forward order."""
 
     def __call__(self, names: tuple[str, ...], state: tuple[torch.Tensor, ...],
                  weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor]):

@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from models.args import QwenArgs
+from protocols.model_spec import ModelArgs
 from protocols.reconfigure import Knobs
 from slidedp.activations import ActivationPolicy, format_blocks
 from slidedp.host_state import available_host_bytes, host_state_bytes
@@ -58,7 +58,7 @@ spread of a few steps' times)."""
 class _Meter:
     """Steps of the real engine with lr = 0 on random tokens at the run's shapes."""
 
-    def __init__(self, backend, config, args: QwenArgs, *, device: torch.device, rank: int,
+    def __init__(self, backend, config, args: ModelArgs, *, device: torch.device, rank: int,
                  world: int, steps: int):
         tr = config.training
         self.backend, self.device, self.world = backend, device, world
@@ -99,7 +99,7 @@ class _Meter:
         return float(value.item())
 
 
-def select_live(backend, config, args: QwenArgs, *, flavor: str, device: torch.device,
+def select_live(backend, config, args: ModelArgs, *, flavor: str, device: torch.device,
                 rank: int, world: int, group, out: str, steps: int = MEASURED_STEPS,
                 log: Callable[[str], None] = print) -> dict:
     """The live stages (module docstring) on `backend`; returns what was chosen and measured.

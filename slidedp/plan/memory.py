@@ -38,22 +38,20 @@ is at, the largest over the blocks' policies + STREAM_TERMS for the embedding ou
 norm and the gradient flowing back); the RoPE tables a block casts count per position.
 
 A block's bytes (activation_bytes) are counted tensor by tensor from the code, on both kernel
-paths (TENSORS: each name one storage, so a tensor saved twice counts once; SEGMENT_SAVES: what
-each of BLOCK_SEGMENTS saves when it is kept), as the engine runs each policy
-(slidedp/activations/policy.py):
+paths (the model spec's SavedTensors, e.g. models/qwen/segments.py: each name one storage, so a
+tensor saved twice counts once; what each of the block's segments saves when it is kept), as the
+engine runs each policy (slidedp/activations/policy.py):
     segment mask   each kept segment: what its ops save; each run of replayed segments (one
-                   checkpoint): the run's inputs (SEGMENT_INPUTS: the tensors before its first
+                   checkpoint): the run's inputs (SavedTensors.inputs: the tensors before its first
                    segment, the residual included). keep is every segment kept; recompute one
                    run, which keeps the block input.
     op-level sets  (SavedOps, and CachedOutputs: torchtitan's "selective" of the GPU-resident
                    modes): the block input, and the outputs of their ops, cached outside the
-                   hooks (OP_OUTPUTS, or the named tensors).
+                   hooks (SavedTensors.op_outputs, or the named tensors).
     offload=f      f of the hooked bytes on the host, the cached outputs stay on the device.
 What backward holds beyond that (rebuilt_bytes): the largest replayed run's saved tensors less
 the run's inputs and the cached outputs (a checkpoint replays its whole run when backward first
 needs one of them), plus the offloaded part brought back.
-Widths: dim; q = n_heads x head_dim; kv = n_kv_heads x head_dim; hidden = the MLP's width; heads
-and kv_heads (the per-row FP32 log-sum-exp and inverse RMS); the tables 2 x head_dim per position.
 
 These bytes are what the engine's start-up measurement (slidedp/activations/cost.py) gives
 (tests/test_plan_memory.py checks segment masks and op-level sets of both debug families on the
@@ -76,8 +74,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Literal
 
-from models.args import QwenArgs
-from models.qwen import BLOCK_SEGMENTS
+from protocols.model_spec import ModelArgs, SavedTensors, spec_of
 from slidedp.activations import ActivationPolicy, Bytes, SavedOps, SegmentMask, block_policies
 from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK, gpu_updated_units
 from slidedp.host_state import HostStatePlan, updates_deferred
@@ -86,60 +83,6 @@ from slidedp.peer_styles import RUNTIME_STYLES
 
 Kernel = Literal["liger", "torch"]
 """What models/kernels.py resolves [model] kernels to."""
-
-# ---- what one block saves for backward, segment by segment (counted from the code) --------------
-
-TENSORS: dict[str, tuple[str, bool]] = {
-    # name -> (width, FP32: else the compute dtype); "tables" are per position, the rest per token
-    "x": ("dim", False), "xn": ("dim", False),                    # block input, input_norm's out
-    "q0": ("q", False), "k0": ("kv", False), "v": ("kv", False),  # the q/k/v projections
-    "q": ("q", False), "k": ("kv", False),                        # after QK-norm + RoPE
-    "o": ("q", False), "lse": ("heads", True),                    # SDPA's output, log-sum-exp
-    "o_mm": ("dim", False), "h": ("dim", False), "hn": ("dim", False),  # o_proj, + x, post_norm
-    "gate": ("hidden", False), "up": ("hidden", False), "silu": ("hidden", False),
-    "a": ("hidden", False), "down_mm": ("dim", False),            # a = SiLU(gate) * up
-    # Inside a norm: torch's FP32 copy of the input and the normalized input before the weight;
-    # on both paths the FP32 inverse RMS, one per row (per token; per head for QK-norm).
-    "x32": ("dim", True), "x_normed": ("dim", False), "x_rstd": ("one", True),
-    "h32": ("dim", True), "h_normed": ("dim", False), "h_rstd": ("one", True),
-    "q32": ("q", True), "q_normed": ("q", False), "q_rstd": ("heads", True),
-    "k32": ("kv", True), "k_normed": ("kv", False), "k_rstd": ("kv_heads", True),
-    # RoPE's cos and sin cast to the compute dtype: by each rotation (torch), once (liger)
-    "tables_q": ("tables", False), "tables_k": ("tables", False), "tables": ("tables", False),
-}
-"""The tensors of a block's forward that backward may need; a name is one storage (views, a
-reshape without a copy, a tensor saved by two ops are one). SDPA writes its output in the query's
-(batch, seq, heads, head_dim) layout, so o_proj's input is a view of it, not a copy."""
-
-SEGMENT_INPUTS: dict[str, tuple[str, ...]] = {
-    "input_norm": ("x",), "qkv": ("x", "xn"), "qk_norm_rope": ("x", "q0", "k0", "v"),
-    "attention_core": ("x", "q", "k", "v"), "o_proj": ("x", "o"), "post_norm": ("h",),
-    "mlp_up": ("h", "hn"), "down_proj": ("h", "a")}
-"""What each of BLOCK_SEGMENTS takes (TransformerBlock.run_segments; the residual rides along)."""
-
-SEGMENT_SAVES: dict[str, dict[str, tuple[str, ...]]] = {
-    # kernels -> segment -> what its ops save for backward under plain autograd
-    "torch": {
-        "input_norm": ("x32", "x_normed", "x_rstd"), "qkv": ("xn",),  # a linear: its input
-        "qk_norm_rope": ("tables_q", "tables_k"), "attention_core": ("q", "k", "v", "o", "lse"),
-        "o_proj": ("o",), "post_norm": ("h32", "h_normed", "h_rstd"),
-        "mlp_up": ("hn", "gate", "silu", "up"), "down_proj": ("a",)},
-    # liger-kernel's autograd Functions: RMSNorm saves its input and inverse RMS, RoPE (in
-    # place) its tables, SwiGLU gate and up (it recomputes SiLU)
-    "liger": {
-        "input_norm": ("x", "x_rstd"), "qkv": ("xn",),
-        "qk_norm_rope": ("tables",), "attention_core": ("q", "k", "v", "o", "lse"),
-        "o_proj": ("o",), "post_norm": ("h", "h_rstd"),
-        "mlp_up": ("hn", "gate", "up"), "down_proj": ("a",)},
-}
-QK_NORM_SAVES: dict[str, tuple[str, ...]] = {
-    "torch": ("q32", "q_normed", "q_rstd", "k32", "k_normed", "k_rstd"),
-    "liger": ("q0", "q_rstd", "k0", "k_rstd")}
-"""What the per-head query and key norms of qk_norm_rope add (Qwen3)."""
-
-OP_OUTPUTS: dict[str, tuple[str, ...]] = {
-    "attention": ("o", "lse"), "matmul": ("q0", "k0", "v", "o_mm", "gate", "up", "down_mm")}
-"""The outputs of SavedOps' op classes (slidedp/activations/policy.py OP_CLASSES)."""
 
 # ---- calibration constants -----------------------------------------------------------------
 
@@ -165,62 +108,52 @@ REFUSE_ABOVE = 1.10
 # ------------------------------------------------------------------------------------------------
 
 
-def _widths(args: QwenArgs) -> dict[str, int]:
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    return {"dim": args.dim, "q": q, "kv": kv, "hidden": args.hidden_dim, "heads": args.n_heads,
-            "kv_heads": args.n_kv_heads, "one": 1, "tables": 2 * args.head_dim}
-
-
-def _stream_bytes_per_token(args: QwenArgs, *, compute_bytes: int) -> int:
-    widths = _widths(args)
+def _stream_bytes_per_token(args: ModelArgs, *, compute_bytes: int) -> int:
+    widths = spec_of(args).saved.widths(args)
     return sum(widths[w] * (fp32 * 4 + copies * compute_bytes)
                for w, (fp32, copies) in STREAM_TERMS.items())
 
 
-def _tensor_bytes(names: Iterable[str], args: QwenArgs, *, compute_bytes: int) -> Bytes:
-    widths, per = _widths(args), {"token": 0, "position": 0}
+def _tensor_bytes(names: Iterable[str], args: ModelArgs, *, compute_bytes: int) -> Bytes:
+    saved, per = spec_of(args).saved, {"token": 0, "position": 0}
+    widths = saved.widths(args)
     for name in names:
-        width, fp32 = TENSORS[name]
+        width, fp32 = saved.tensors[name]
         per["position" if width == "tables" else "token"] += widths[width] * (
             4 if fp32 else compute_bytes)
     return Bytes(per_token=per["token"], per_position=per["position"], fixed=0.0)
 
 
-def segment_saves(args: QwenArgs, kernels: Kernel) -> dict[str, frozenset[str]]:
-    """What each segment's ops save for backward when it is kept."""
-    saves = {s: frozenset(names) for s, names in SEGMENT_SAVES[kernels].items()}
-    if args.qk_norm:
-        saves["qk_norm_rope"] |= frozenset(QK_NORM_SAVES[kernels])
-    return saves
+def _runs(segments: tuple[str, ...], kept: frozenset[str]) -> list[tuple[bool, tuple[str, ...]]]:
+    """A block's segments as runs of kept and of replayed ones, as SegmentMask.forward runs them."""
+    return [(k, tuple(run)) for k, run in groupby(segments, key=kept.__contains__)]
 
 
-def _runs(kept: frozenset[str]) -> list[tuple[bool, tuple[str, ...]]]:
-    """BLOCK_SEGMENTS as runs of kept and of replayed segments, as SegmentMask.forward runs them."""
-    return [(k, tuple(run)) for k, run in groupby(BLOCK_SEGMENTS, key=kept.__contains__)]
-
-
-def saved_tensors(policy: ActivationPolicy, args: QwenArgs,
+def saved_tensors(policy: ActivationPolicy, args: ModelArgs,
                   kernels: Kernel) -> tuple[frozenset[str], frozenset[str]]:
     """(hooked, cached): the tensors one block keeps for backward under `policy` through
     autograd's saved-tensor hooks, and the op outputs a selective checkpoint caches beside them.
     A kept segment saves what its ops save; a run of replayed segments, one checkpoint, saves the
     run's inputs (its weights only as references). An op-level policy checkpoints the block: the
     block's input, and the outputs of its ops."""
+    spec = spec_of(args)
+    inputs = spec.saved.inputs
     if not isinstance(policy, SegmentMask):
-        return frozenset(SEGMENT_INPUTS[BLOCK_SEGMENTS[0]]), frozenset(_cached_outputs(policy))
-    saves, hooked = segment_saves(args, kernels), set()
-    for kept, run in _runs(policy.kept):
-        hooked |= set().union(*(saves[s] for s in run)) if kept else set(SEGMENT_INPUTS[run[0]])
+        return frozenset(inputs[spec.segments[0]]), frozenset(_cached_outputs(policy, spec.saved))
+    saves, hooked = spec.saved.saves(args, kernels), set()
+    for kept, run in _runs(spec.segments, policy.kept):
+        hooked |= set().union(*(saves[s] for s in run)) if kept else set(inputs[run[0]])
     return frozenset(hooked), frozenset()
 
 
-def _cached_outputs(policy: "ActivationPolicy | CachedOutputs") -> Iterable[str]:
+def _cached_outputs(policy: "ActivationPolicy | CachedOutputs",
+                    saved: SavedTensors) -> Iterable[str]:
     if isinstance(policy, SavedOps):
-        return {name for op in policy.ops for name in OP_OUTPUTS[op]}
+        return {name for op in policy.ops for name in saved.op_outputs[op]}
     return policy.outputs
 
 
-def activation_bytes(args: QwenArgs, policy: ActivationPolicy, *, compute_bytes: int,
+def activation_bytes(args: ModelArgs, policy: ActivationPolicy, *, compute_bytes: int,
                      kernels: Kernel = "torch") -> tuple[Bytes, Bytes]:
     """(GPU, host) bytes one block keeps for backward under `policy`, as the engine's start-up
     measurement (slidedp/activations/cost.py) gives them: the offload fraction of the hooked
@@ -232,16 +165,17 @@ def activation_bytes(args: QwenArgs, policy: ActivationPolicy, *, compute_bytes:
             hooked_bytes.scaled(policy.offload))
 
 
-def rebuilt_bytes(args: QwenArgs, policy: ActivationPolicy, *, compute_bytes: int,
+def rebuilt_bytes(args: ModelArgs, policy: ActivationPolicy, *, compute_bytes: int,
                   kernels: Kernel = "torch") -> Bytes:
     """What backward holds of one block under `policy` beyond what it kept: the offloaded part,
     brought back, and the largest replayed run's saved tensors (a checkpoint replays its run
     when backward first needs one of them), less the run's inputs, which the replay reads where
     they were kept, and the op outputs a selective checkpoint caches."""
-    saves, cached = segment_saves(args, kernels), saved_tensors(policy, args, kernels)[1]
+    spec = spec_of(args)
+    saves, cached = spec.saved.saves(args, kernels), saved_tensors(policy, args, kernels)[1]
     kept = policy.kept if isinstance(policy, SegmentMask) else frozenset()
-    runs = [set().union(*(saves[s] for s in run)) - set(SEGMENT_INPUTS[run[0]]) - cached
-            for is_kept, run in _runs(kept) if not is_kept]
+    runs = [set().union(*(saves[s] for s in run)) - set(spec.saved.inputs[run[0]]) - cached
+            for is_kept, run in _runs(spec.segments, kept) if not is_kept]
     largest = max((_tensor_bytes(r, args, compute_bytes=compute_bytes) for r in runs),
                   key=lambda b: b.per_token, default=Bytes(0.0, 0.0, 0.0))
     return largest + activation_bytes(args, policy, compute_bytes=compute_bytes,
@@ -280,9 +214,9 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class CachedOutputs:
-    """A block checkpoint that caches the named op outputs (TENSORS) beside its input: the
-    GPU-resident modes' op-level "selective" (recipes/baselines/memory.py). No SlideDP policy;
-    only its memory is modelled."""
+    """A block checkpoint that caches the named op outputs (SavedTensors.tensors) beside its
+    input: the GPU-resident modes' op-level "selective" (recipes/baselines/memory.py). No
+    SlideDP policy; only its memory is modelled."""
 
     outputs: frozenset[str]
     base: str = "cached_outputs"
@@ -306,7 +240,7 @@ class Footprint:
     """slidedp.embedding_update = "gpu": the embedding's state and update on the device."""
 
 
-def slidedp_footprint(config, args: QwenArgs, *, world: int) -> Footprint:
+def slidedp_footprint(config, args: ModelArgs, *, world: int) -> Footprint:
     """SlideDP's resident buffers and held gradients (module docstring), its block policies,
     BF16 compute, and the GPU embedding update's bytes."""
     s = config.slidedp
@@ -349,7 +283,7 @@ def slidedp_footprint(config, args: QwenArgs, *, world: int) -> Footprint:
                      policies=policies, compute_bytes=2, embedding_update=update)
 
 
-def estimate_device_memory(config, args: QwenArgs, *, world: int, kernels: Kernel = "torch",
+def estimate_device_memory(config, args: ModelArgs, *, world: int, kernels: Kernel = "torch",
                            block_bytes: Callable[[ActivationPolicy], float] | None = None,
                            rebuild_bytes: Callable[[ActivationPolicy], float] | None = None
                            ) -> MemoryEstimate:
@@ -363,7 +297,7 @@ def estimate_device_memory(config, args: QwenArgs, *, world: int, kernels: Kerne
                            kernels=kernels, block_bytes=block_bytes, rebuild_bytes=rebuild_bytes)
 
 
-def estimate_memory(footprint: Footprint, training, args: QwenArgs, *, kernels: Kernel = "torch",
+def estimate_memory(footprint: Footprint, training, args: ModelArgs, *, kernels: Kernel = "torch",
                     block_bytes: Callable[[ActivationPolicy], float] | None = None,
                     rebuild_bytes: Callable[[ActivationPolicy], float] | None = None
                     ) -> MemoryEstimate:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from models.args import QwenArgs
+from protocols.model_spec import ModelArgs
 from slidedp.activations import ActivationPolicy, block_policies
 from slidedp.gpu_update import gpu_updated_units
 from slidedp.host_state import HostStatePlan, host_state_regions, updates_deferred
@@ -63,7 +63,7 @@ class Speculation:
         return 1.0 if loss <= gain else gain / loss
 
 
-def policies_of(config, args: QwenArgs) -> list[ActivationPolicy]:
+def policies_of(config, args: ModelArgs) -> list[ActivationPolicy]:
     s = config.slidedp
     return block_policies(args.n_layers, default=s.activation, blocks=s.activation_blocks,
                           keep_blocks=s.keep_blocks)
@@ -80,7 +80,7 @@ def threads_per_rank(config, rates: Rates, world: int) -> int:
     return config.slidedp.cpu_threads or max(1, rates.machine.cores // world)
 
 
-def step_spec(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
+def step_spec(config, args: ModelArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
               policies: list[ActivationPolicy] | None = None,
               schedule: Schedule = "slidedp") -> StepSpec:
     """The step the model simulates for `config` on `world` ranks of the machine of `rates`: with
@@ -115,7 +115,7 @@ def state_plan(config) -> HostStatePlan:
                                  max_norm=tr.max_norm, nonfinite=tr.nonfinite)
 
 
-def plan_run(config, args: QwenArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
+def plan_run(config, args: ModelArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
              policies: list[ActivationPolicy] | None = None,
              schedule: Schedule = "slidedp", simulate: bool = True) -> RunPlan:
     """Memory and the predicted step of `config` (parallelism.mode = "slidedp") on `world`

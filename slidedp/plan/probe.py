@@ -27,11 +27,10 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch import nn
 
-from models.args import QwenArgs
 from models.kernels import Kernels
-from models.qwen import RMSNorm, TransformerBlock, init_parameter, rope_tables
+from protocols.model_spec import ModelArgs, spec_of
 from slidedp import cpu_adam
 from slidedp.activations import (KEEP, RECOMPUTE, ActivationPolicy, BlockSegments, block_input,
                                  measure_costs, parse_policy)
@@ -246,21 +245,22 @@ def _share(obj, group):
 # ---- model rates -------------------------------------------------------------------------------
 
 
-def _block(args: QwenArgs, kernels: Kernels, device: torch.device,
-           dtype: torch.dtype) -> TransformerBlock:
+def _block(args: ModelArgs, kernels: Kernels, device: torch.device,
+           dtype: torch.dtype) -> nn.Module:
+    spec = spec_of(args)
     with torch.device("meta"):
-        block = TransformerBlock(args, kernels).to(dtype)
+        block = spec.block_cls(args, kernels).to(dtype)
     block = block.to_empty(device=device)
     with torch.no_grad():
         for name, p in block.named_parameters():
-            init_parameter(name, p)
+            spec.init_parameter(name, p)
     return block
 
 
-def _time_block(policy: ActivationPolicy, block: TransformerBlock, args: QwenArgs, *, batch: int,
+def _time_block(policy: ActivationPolicy, block: nn.Module, args: ModelArgs, *, batch: int,
                 seq: int, device: torch.device, repeats: int) -> BlockTiming:
     weights = dict(block.named_parameters())
-    rope = rope_tables(args, seq, device)
+    rope = spec_of(args).rope_tables(args, seq, device)
     h = torch.randn(batch, seq, args.dim, device=device, dtype=next(block.parameters()).dtype)
     grad = torch.randn_like(h)
     forward, backward = [], []
@@ -284,24 +284,29 @@ def _time_block(policy: ActivationPolicy, block: TransformerBlock, args: QwenArg
                        backward_s=statistics.median(backward) / batch, batch=batch)
 
 
-def _time_head_and_embed(args: QwenArgs, kernels: Kernels, *, batch: int, seq: int,
+def _time_head_and_embed(args: ModelArgs, kernels: Kernels, *, batch: int, seq: int,
                          loss_chunk: int, device: torch.device, dtype: torch.dtype,
                          repeats: int) -> dict[str, BlockTiming]:
-    on = dict(dtype=dtype, device=device)
-    emb = (torch.randn(args.vocab_size, args.dim, **on) * 0.02).requires_grad_()
-    head = emb if args.tie_embeddings else (torch.randn(args.vocab_size, args.dim, **on) * 0.02).requires_grad_()
-    with torch.device("meta"):
-        norm = RMSNorm(args.dim, args.norm_eps, kernels)
-    norm = norm.to_empty(device=device).to(dtype)
-    torch.nn.init.ones_(norm.weight)
+    spec, on = spec_of(args), dict(dtype=dtype, device=device)
+    units = dict(spec.units(args))  # the embedding's and the head's parameters by kind
+
+    def drawn(kind: str) -> dict[str, torch.Tensor]:
+        weights = {}
+        for name, local, shape in units[kind]:
+            weights[local] = torch.empty(shape, **on)
+            spec.init_parameter(name, weights[local])
+        return {local: w.requires_grad_() for local, w in weights.items()}
+
+    emb, head = drawn("embed"), drawn("head")
+    head_loss = spec.head_loss(args, kernels)
     tokens = torch.randint(args.vocab_size, (batch, seq), device=device)
     h = torch.randn(batch, seq, args.dim, **on)
 
     def head_step() -> None:
         x = h.detach().requires_grad_()
-        loss = kernels.linear_cross_entropy_sum(norm(x), head, tokens, chunk_tokens=loss_chunk)
-        loss.backward()
-        head.grad = norm.weight.grad = None
+        head_loss(head, emb, x, tokens, chunk_tokens=loss_chunk).backward()
+        for w in (*head.values(), *emb.values()):
+            w.grad = None
 
     out = {"head": BlockTiming(forward_s=_median_seconds(head_step, device=device, repeats=repeats)
                                / batch, backward_s=0.0, batch=batch)}
@@ -309,12 +314,13 @@ def _time_head_and_embed(args: QwenArgs, kernels: Kernels, *, batch: int, seq: i
     state: dict = {}
 
     def embed_forward() -> None:
-        state["h"] = F.embedding(tokens, emb)
+        state["h"] = spec.embed(emb, tokens)
 
     def embed_backward() -> None:
         embed_forward()
         state["h"].backward(grad)
-        emb.grad = None
+        for w in emb.values():
+            w.grad = None
 
     fwd = _median_seconds(embed_forward, device=device, repeats=repeats)
     both = _median_seconds(embed_backward, device=device, repeats=repeats)
@@ -335,7 +341,7 @@ def _probe_batch(keep_bytes_per_seq: float, batch: int, device: torch.device,
     return max(1, min(batch, fits))
 
 
-def probe_model(rates: Rates, args: QwenArgs, *, flavor: str, kernels: Kernels,
+def probe_model(rates: Rates, args: ModelArgs, *, flavor: str, kernels: Kernels,
                 policies: Iterable[ActivationPolicy], seq: int, batch: int, loss_chunk: int,
                 device: torch.device, compute_dtype: Literal["bf16", "fp32"] = "bf16",
                 sizes: ProbeSizes = ProbeSizes(),
@@ -391,7 +397,7 @@ def probe_model(rates: Rates, args: QwenArgs, *, flavor: str, kernels: Kernels,
                    compute_dtype=compute_dtype)
 
 
-def probe(args: QwenArgs, *, flavor: str, kernels: Kernels, policies: Iterable[ActivationPolicy],
+def probe(args: ModelArgs, *, flavor: str, kernels: Kernels, policies: Iterable[ActivationPolicy],
           seq: int, batch: int, loss_chunk: int, device: torch.device,
           compute_dtype: Literal["bf16", "fp32"] = "bf16", rank: int = 0, world: int = 1,
           group=None, refresh: bool = False, sizes: ProbeSizes | None = None,

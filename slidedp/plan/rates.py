@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from models.args import QwenArgs
+from protocols.model_spec import ModelArgs
 from slidedp.native_build import cache_dir
 from slidedp.activations import BlockCost, Bytes
 
@@ -253,7 +253,7 @@ def by_threads(table: dict[int, float], threads: int) -> float:
     return table[counts[-1]]
 
 
-def model_key(args: QwenArgs, kernels: str, dtype: str = "bf16") -> str:
+def model_key(args: ModelArgs, kernels: str, dtype: str = "bf16") -> str:
     """The cache key of a model: its architecture (a hash: a custom hf_dir has no flavor name),
     the kernels and the dtype it computes in (FP32 timings apart from the BF16 ones)."""
     digest = hashlib.sha1(repr(args).encode()).hexdigest()[:10]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import get_args
 
-from models.args import QwenArgs
+from protocols.model_spec import ModelArgs
 from slidedp.activations import KEEP, RECOMPUTE, format_blocks
 from slidedp.plan.ilp import solve
 from slidedp.plan.memory import REFUSE_ABOVE, MemoryEstimate
@@ -32,7 +32,7 @@ class Job:
     """The recipe's JobConfig (or anything shaped like it)."""
     flavor: str
     """The model's flavor name (or "custom (<dir>)")."""
-    args: QwenArgs
+    args: ModelArgs
     """Its architecture."""
 
 

@@ -19,7 +19,7 @@ search_offline.
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from models.args import QwenArgs
+from protocols.model_spec import ModelArgs
 from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policies, parse_policy
 from slidedp.host_state import host_state_bytes
 from slidedp.layout import StateLayout
@@ -80,7 +80,7 @@ class Model:
     """The step-time model of one run, for the program: the configuration, where it runs."""
 
     config: object
-    args: QwenArgs
+    args: ModelArgs
     flavor: str
     kernels: str
     world: int

@@ -1,14 +1,12 @@
 """The work of one micro-batch on the GPU, by unit and policy: seconds from measured timings
 where the probe took them, else FLOPs at an effective rate; and each policy's activation bytes.
 
-FLOPs per token of a block's segments (forward; backward counts twice its forward):
-    qkv 2·dim·(q + 2·kv), attention_core 2·seq·q (causal), o_proj 2·q·dim, mlp_up 4·dim·hidden,
-    down_proj 2·hidden·dim; the norms, QK-norm + RoPE and SwiGLU count none (q = n_heads·head_dim,
-    kv = n_kv_heads·head_dim).
+FLOPs per token of a block's segments (forward; backward counts twice its forward) come from
+the model spec's BlockFlops (e.g. models/qwen/segments.py).
 What backward replays is the forward of the segments a policy does not keep, less the last
-projection of a replayed run whose output the next segment saved itself (qkv, o_proj,
-down_proj: a linear's backward needs its input, not its output; torch's non-reentrant checkpoint
-stops once the last saved tensor is rebuilt). `recompute` thus replays all but the down
+projection of a replayed run whose output the next segment saved itself (the spec's terminal
+linears: a linear's backward needs its input, not its output; torch's non-reentrant checkpoint
+stops once the last saved tensor is rebuilt). `recompute` thus replays all but the block's last
 projection; `selective` also skips the attention core; `ops(matmul+attention)` replays no FLOPs.
 Where the rates hold a measured attention rate at this length, the attention core is timed
 apart at it, its backward 2.5 times its forward (flash-style kernels rebuild the scores: 5
@@ -20,55 +18,49 @@ chunked loss replays each chunk's logits (once more). The embedding counts none.
 from dataclasses import dataclass
 from itertools import groupby
 
-from models.args import QwenArgs
-from models.qwen import BLOCK_SEGMENTS
+from protocols.model_spec import ModelArgs, spec_of
 from slidedp.activations import ActivationPolicy, BlockCost, SavedOps, SegmentMask
 from slidedp.plan.memory import activation_bytes, rebuilt_bytes
 from slidedp.plan.rates import Rates, timing_key
 
-_TERMINAL_LINEAR = ("qkv", "o_proj", "down_proj")
-"""Segments ending in a projection whose output backward does not need."""
-_ATTENTION_SEGMENT = "attention_core"
 _ATTENTION_BACKWARD = 2.5
 """Attention's backward over its forward in FLOPs (5 half-size matmuls against 2)."""
 
 
-def segment_flops(args: QwenArgs, seq: int) -> dict[str, float]:
+def segment_flops(args: ModelArgs, seq: int) -> dict[str, float]:
     """Forward FLOPs per token of each block segment at sequence length `seq`."""
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    flops = dict.fromkeys(BLOCK_SEGMENTS, 0.0)
-    flops.update(qkv=2.0 * args.dim * (q + 2 * kv), attention_core=2.0 * seq * q,
-                 o_proj=2.0 * q * args.dim, mlp_up=4.0 * args.dim * args.hidden_dim,
-                 down_proj=2.0 * args.hidden_dim * args.dim)
-    return flops
+    return spec_of(args).flops.per_token(args, seq)
 
 
-def replay_flops(policy: ActivationPolicy, args: QwenArgs, seq: int) -> float:
+def replay_flops(policy: ActivationPolicy, args: ModelArgs, seq: int) -> float:
     """FLOPs per token that backward replays under `policy` (module docstring)."""
+    spec = spec_of(args)
+    segments, terminal, attention = spec.segments, spec.flops.terminal_linears, spec.flops.attention
     flops = segment_flops(args, seq)
     if isinstance(policy, SavedOps):
-        replayed = {"attention": "attention_core"}
-        skip = {replayed[o] for o in policy.ops if o in replayed}
+        skip = {attention} if "attention" in policy.ops else set()
         if "matmul" in policy.ops:
-            skip |= set(BLOCK_SEGMENTS) - {_ATTENTION_SEGMENT}
-        run = [s for s in BLOCK_SEGMENTS if s not in skip]
-        return sum(flops[s] for s in run) - (flops["down_proj"] if "down_proj" in run else 0.0)
+            skip |= set(segments) - {attention}
+        run = [s for s in segments if s not in skip]
+        last = segments[-1]
+        return sum(flops[s] for s in run) - (flops[last] if last in run and last in terminal
+                                             else 0.0)
     assert isinstance(policy, SegmentMask)
     total = 0.0
-    for kept, run in groupby(BLOCK_SEGMENTS, key=policy.kept.__contains__):
+    for kept, run in groupby(segments, key=policy.kept.__contains__):
         run = list(run)
         if not kept:
             total += sum(flops[s] for s in run)
-            if run[-1] in _TERMINAL_LINEAR:
+            if run[-1] in terminal:
                 total -= flops[run[-1]]
     return total
 
 
-def replays_attention(policy: ActivationPolicy) -> bool:
+def replays_attention(policy: ActivationPolicy, args: ModelArgs) -> bool:
     """Whether backward under `policy` runs the attention core's forward again."""
     if isinstance(policy, SavedOps):
         return "attention" not in policy.ops
-    return _ATTENTION_SEGMENT not in policy.kept
+    return spec_of(args).flops.attention not in policy.kept
 
 
 @dataclass(frozen=True)
@@ -93,7 +85,7 @@ class MicroBatchWork:
 class Workload:
     """GPU time and activation bytes of `args` on `kernels` at `seq`, from `rates`."""
 
-    def __init__(self, rates: Rates, args: QwenArgs, *, flavor: str, kernels: str, seq: int):
+    def __init__(self, rates: Rates, args: ModelArgs, *, flavor: str, kernels: str, seq: int):
         self.rates, self.args, self.flavor, self.kernels, self.seq = rates, args, flavor, kernels, seq
 
     def _flop_seconds(self, flops_per_token: float, tokens: int) -> float:
@@ -115,8 +107,8 @@ class Workload:
         if rate is None:
             return (self._flop_seconds(forward, tokens),
                     self._flop_seconds(2 * forward + replay, tokens))
-        attention = flops[_ATTENTION_SEGMENT]
-        replayed = attention if replays_attention(policy) else 0.0
+        attention = flops[spec_of(self.args).flops.attention]
+        replayed = attention if replays_attention(policy, self.args) else 0.0
         attention_s = attention * tokens / (rate * 1e12)
         return (self._flop_seconds(forward - attention, tokens) + attention_s,
                 self._flop_seconds(2 * (forward - attention) + replay - replayed, tokens)

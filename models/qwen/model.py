@@ -8,11 +8,14 @@ loss) come from the `Kernels` the model is built with (models/kernels.py): plain
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
-from models.args import QwenArgs
 from models.kernels import TORCH_KERNELS, Kernels
-from models.rope import inv_frequencies
+from models.qwen.args import QwenArgs
+from models.rope import rope_tables
+from protocols.model_spec import UnitParams
 
 
 class RMSNorm(nn.Module):
@@ -25,17 +28,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.rms_norm(x, self.weight, self.eps)
-
-
-def rope_tables(args: QwenArgs, seq_len: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_dim) in FP32 (HF's rotate-half layout), with
-    args.rope_scaling's frequencies and attention factor (models/rope.py)."""
-    inv, attention_factor = inv_frequencies(args, seq_len=seq_len, device=device)
-    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    if attention_factor == 1.0:
-        return emb.cos(), emb.sin()
-    return emb.cos() * attention_factor, emb.sin() * attention_factor
 
 
 class Attention(nn.Module):
@@ -113,6 +105,8 @@ class TransformerBlock(nn.Module):
 
     `forward` runs the BLOCK_SEGMENTS one after the other (`run_segments`). Each segment maps the
     tensors the previous one returned to the next ones; the residual stream rides along."""
+
+    segments = BLOCK_SEGMENTS
 
     def __init__(self, args: QwenArgs, kernels: Kernels = TORCH_KERNELS):
         super().__init__()
@@ -209,3 +203,39 @@ class QwenModel(nn.Module):
         for block in self.layers:
             h = block(h, cos, sin)
         return self.norm(h)
+
+
+def units(args: QwenArgs) -> list[tuple[str, UnitParams]]:
+    """The units SlideDP streams: the embedding, each block, and the head (final norm + untied
+    LM head), with their parameters in flat order."""
+    with torch.device("meta"):
+        model = QwenModel(args)
+    groups = [("embed", [("embed_tokens.weight", "weight", model.embed_tokens.weight.shape)])]
+    for i, block in enumerate(model.layers):
+        groups.append(("block", [(f"layers.{i}.{n}", n, p.shape)
+                                 for n, p in block.named_parameters()]))
+    head = [(n, n, p.shape) for n, p in model.named_parameters()
+            if n == "norm.weight" or n.startswith("lm_head.")]
+    groups.append(("head", head))
+    return groups
+
+
+def embed(weights: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """The embedding unit's forward on its streamed weights."""
+    return F.embedding(tokens, weights["weight"])
+
+
+class StreamedHead:
+    """The head unit's forward and loss on streamed weights: final norm, the LM head (the
+    embedding's weight when tied), the chunked or fused cross-entropy."""
+
+    def __init__(self, args: QwenArgs, kernels: Kernels = TORCH_KERNELS):
+        self.kernels = kernels
+        with torch.device("meta"):
+            self.norm = RMSNorm(args.dim, args.norm_eps, kernels)
+
+    def __call__(self, head: dict[str, torch.Tensor], embed: dict[str, torch.Tensor],
+                 h: torch.Tensor, labels: torch.Tensor, *, chunk_tokens: int) -> torch.Tensor:
+        hn = functional_call(self.norm, {"weight": head["norm.weight"]}, (h,))
+        w = head["lm_head.weight"] if "lm_head.weight" in head else embed["weight"]
+        return self.kernels.linear_cross_entropy_sum(hn, w, labels, chunk_tokens=chunk_tokens)

@@ -1,6 +1,6 @@
 """Published Qwen3 / Qwen2.5 architectures, plus tiny debug flavors for CPU tests."""
 
-from models.args import QwenArgs
+from models.qwen.args import QwenArgs
 
 _QWEN3 = dict(family="qwen3", head_dim=128, vocab_size=151936, qk_norm=True, qkv_bias=False,
               max_position_embeddings=40960)
@@ -48,9 +48,3 @@ FLAVORS: dict[str, QwenArgs] = {
                             hidden_dim=29568, vocab_size=152064, tie_embeddings=False, **_QWEN25),
 }
 
-
-def get_flavor(name: str) -> QwenArgs:
-    """Look a flavor up by name, with the list of valid names in the error."""
-    if name not in FLAVORS:
-        raise ValueError(f"unknown model flavor {name!r}; choose one of {sorted(FLAVORS)}")
-    return FLAVORS[name]
