@@ -1,6 +1,11 @@
 """SlideDP over several nodes (slidedp/nodes.py), tested as two nodes on this machine: the
 launch's rendezvous flags, and real gloo ranks grouped into nodes as torchrun groups them."""
 
+import re
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -10,7 +15,7 @@ from recipes.config import ConfigError
 from recipes.launch import rendezvous_args
 from slidedp.engine import SlideDPBackend
 from slidedp.nodes import NodeMismatch, ReplicaDiverged
-from tests.conftest import run_ranks
+from tests.conftest import REPO, free_port, kill_process_tree, run_ranks, subprocess_env
 from tests.slidedp_worker import global_batches, make_config
 from tests.test_slidedp import assert_matches_reference, single_reference
 
@@ -136,3 +141,37 @@ def test_a_node_with_another_config_is_refused(nodes_runs):
     assert len(messages) == 1  # every rank alike
     (message,) = messages
     assert message is not None and "node 1 runs slidedp.chunk_mib = 1.0 and node 0 runs 32.0" in message
+
+
+def test_two_launches_train_and_a_killed_node_ends_the_other(tmp_path):
+    """run_train.sh twice on this machine (NODE_RANK 0 and 1, one rank each): they train
+    together; node 1 killed (its launcher and rank), node 0 ends within bounded time with one
+    error line naming the node."""
+    port = str(free_port())
+    launches = []
+    for node in (0, 1):
+        env = subprocess_env(NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=port, NGPU="1", PYTHON=sys.executable)
+        launches.append(subprocess.Popen(
+            ["./run_train.sh", "--parallelism.mode=slidedp", "--training.steps=100000",
+             f"--job.dump_folder={tmp_path}/out", f"--checkpoint.save_dir={tmp_path}/hf"],
+            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text()):
+            assert time.monotonic() < deadline and launches[0].poll() is None, "no steps"
+            time.sleep(0.2)
+        kill_process_tree(launches[1].pid)
+        killed = time.monotonic()
+        out, _ = launches[0].communicate(timeout=60)
+        ended_s = time.monotonic() - killed
+        assert ended_s < 30, ended_s
+    finally:
+        for p in launches:
+            kill_process_tree(p.pid)
+            p.wait()
+    assert launches[0].returncode != 0
+    errors = [line for line in out.splitlines() if re.search(r"\berror: ", line)]
+    assert len(errors) == 1, out[-3000:]
+    assert re.search(r"error: rank 1 \(pid \d+\) of node 1 is gone", errors[0]), errors
