@@ -5,6 +5,9 @@
 #   NGPU=2 ./run_train.sh                                  # 2 ranks (mode "single" becomes fsdp2)
 #   NGPU=2 ./run_train.sh --parallelism.mode=slidedp       # 2 ranks (NCCL on GPUs, gloo on CPU)
 #   CONFIG_FILE=train_configs/h200_qwen3_8b.toml NGPU=2 ./run_train.sh
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 NGPU=8 ./run_train.sh  # on node 0,
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 MASTER_PORT=29500 NGPU=8 ./run_train.sh  # on node 1
+#   (or RDZV_ENDPOINT=host:port instead of NODE_RANK/MASTER_ADDR/MASTER_PORT: c10d rendezvous)
 # Run it from the repository root (config paths are relative to it). With NGPU >= 2 the whole
 # configuration (data records included) is checked once before any rank starts, and the ranks'
 # end is said as one process's would be: a mistake is one `error:` line and exit code 2, Ctrl-C
@@ -20,6 +23,12 @@ if ! [[ "$NGPU" =~ ^[0-9]+$ ]] || (( 10#$NGPU < 1 )); then
   exit 2
 fi
 NGPU=$(( 10#$NGPU ))
+NNODES=${NNODES:-1}
+if ! [[ "$NNODES" =~ ^[0-9]+$ ]] || (( 10#$NNODES < 1 )); then
+  echo "error: NNODES must be the number of nodes (1 or more), got '$NNODES'" >&2
+  exit 2
+fi
+export NNODES=$(( 10#$NNODES ))  # recipes/launch.py reads it, with NODE_RANK, MASTER_ADDR, ...
 
 # NVLink multicast (NVLS) stays off in NCCL, torch symmetric memory and NVSHMEM: on the shared
 # H200 hosts a program that uses it can take the GPUs out of service.
@@ -36,10 +45,11 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
 fi
 
 for arg in "$@"; do
-  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then NGPU=1; fi  # help: one process prints it
+  if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then NGPU=1 NNODES=1; fi  # help: one process prints it
 done
-if (( NGPU == 1 )); then
+if (( NGPU == 1 && NNODES == 1 )); then
   exec "$PYTHON" -m recipes.train --job.config_file "$CONFIG_FILE" "$@"
 fi
-# The checks, then torchrun in the same process (so that the ranks run this Python too).
+# The checks, then torchrun (one node, or this node of NNODES) in the same process (so that
+# the ranks run this Python too).
 exec "$PYTHON" -m recipes.launch "$NGPU" --job.config_file "$CONFIG_FILE" "$@"

@@ -1,6 +1,10 @@
-"""The launch of several ranks on this host (run_train.sh runs it for NGPU >= 2):
+"""The launch of several ranks on this host (run_train.sh runs it for NGPU >= 2 or NNODES >= 2):
 
     python -m recipes.launch NPROC [--section.key=value ...]
+
+With NNODES >= 2 in the environment this host is one node of several (torchrun's node group):
+NODE_RANK, MASTER_ADDR and MASTER_PORT name it and the rendezvous (torchrun's static
+rendezvous), or RDZV_ENDPOINT=host:port does (c10d rendezvous, which numbers the nodes itself).
 
 It checks the whole configuration once (recipes/preflight.py, data records included), so a
 mistake is one `error:` line before any rank starts, then runs torchrun's launcher in this
@@ -33,23 +37,45 @@ model. They end as soon as their save is complete, and a second Ctrl-C ends them
 TORCH_ELASTIC_SHUTDOWN_TIMEOUT sets another; torch releases that do not read it keep 30 s."""
 
 
+def rendezvous_args(env: dict[str, str]) -> list[str]:
+    """torchrun's rendezvous flags for the nodes `env` describes (NNODES, NODE_RANK,
+    MASTER_ADDR, MASTER_PORT or RDZV_ENDPOINT); one node: --standalone."""
+    nnodes = int(env.get("NNODES", "1"))
+    if nnodes == 1:
+        return ["--standalone"]
+    if env.get("RDZV_ENDPOINT"):
+        return [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={env['RDZV_ENDPOINT']}",
+                f"--rdzv-id={env.get('RDZV_ID', 'slidedp')}"]
+    missing = [k for k in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise ConfigError(f"NNODES={nnodes} needs {', '.join(missing)} (or RDZV_ENDPOINT=host:port)")
+    node_rank = env["NODE_RANK"]
+    if not node_rank.isdigit() or int(node_rank) >= nnodes:
+        raise ConfigError(f"NODE_RANK must be 0 to {nnodes - 1} for NNODES={nnodes}, got {node_rank!r}")
+    return [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+            f"--master-addr={env['MASTER_ADDR']}", f"--master-port={env['MASTER_PORT']}"]
+
+
 def launch(nproc: int, flags: list[str]) -> int:
-    """Start `nproc` ranks of recipes.train with `flags` (torchrun --standalone); returns the
+    """Start `nproc` ranks of recipes.train with `flags` on this node (torchrun); returns the
     launch's exit code."""
     try:
-        added = check_launch(flags, nproc=nproc)
+        rendezvous = rendezvous_args(dict(os.environ))
+        nodes = int(os.environ.get("NNODES", "1"))
+        added = check_launch(flags, nproc=nproc, nodes=nodes)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if added:
-        print(f'notice: parallelism.mode = "single" runs one process; {nproc} ranks run '
+        print(f'notice: parallelism.mode = "single" runs one process; {nproc * nodes} ranks run '
               f'"{MULTI_RANK_MODE}" (set --parallelism.mode to choose)', file=sys.stderr)
     # torchrun's loggers set their own levels, so the threshold is the process's: this process
     # logs nothing else.
     logging.disable(logging.ERROR)
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
     try:
-        run(parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "recipes.train",
+        run(parse_args([*rendezvous, f"--nproc_per_node={nproc}", "-m", "recipes.train",
                         *flags, *added]))
     except ChildFailedError as e:
         _, first = e.get_first_failure()

@@ -69,10 +69,14 @@ class PeerWatch:
         self.rank, self.interval_s = rank, interval_s
         self._group = dist.new_group(backend="gloo")
         table: list = [None] * world
-        dist.all_gather_object(table, (socket.gethostname(), os.getpid()), group=self._group)
+        node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node group
+        dist.all_gather_object(table, (socket.gethostname(), os.getpid(), node), group=self._group)
         here = socket.gethostname()
-        self._peers = {r: (pid, _start_time(pid)) for r, (host, pid) in enumerate(table)
+        self._peers = {r: (pid, _start_time(pid)) for r, (host, pid, _) in enumerate(table)
                        if r != rank and host == here}
+        # With several nodes (two may share a host) a dead rank's line names its node too.
+        several = len({n for _, _, n in table}) > 1
+        self._node_of = {r: f" of node {n}" if several else "" for r, (_, _, n) in enumerate(table)}
         self._announced = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="peer-watch", daemon=True)
@@ -86,7 +90,8 @@ class PeerWatch:
 
     def _announce(self, rank: int, pid: int) -> None:
         if self._announced.acquire(blocking=False):  # one line, from whichever thread sees it
-            print(f"[rank{self.rank}] error: rank {rank} (pid {pid}) is gone (killed or failed); "
+            print(f"[rank{self.rank}] error: rank {rank} (pid {pid}){self._node_of[rank]} is gone "
+                  "(killed or failed); "
                   "this rank ends too (resume from the last complete save: "
                   "--checkpoint.resume_from=latest)", file=sys.stderr, flush=True)
 

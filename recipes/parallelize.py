@@ -6,7 +6,7 @@ build their model from recipes/model.py."""
 import torch
 
 from protocols.model_spec import ModelArgs
-from recipes.config import JobConfig
+from recipes.config import ConfigError, JobConfig
 
 
 def build_backend(config: JobConfig, args: ModelArgs, *, device: torch.device, dp_rank: int,
@@ -26,5 +26,10 @@ def build_backend(config: JobConfig, args: ModelArgs, *, device: torch.device, d
 
         return build_deepspeed_backend(config, args, device=device)
     from slidedp.engine import build_slidedp_backend
+    from slidedp.nodes import NodeMismatch
 
-    return build_slidedp_backend(config, args, device=device, dp_rank=dp_rank, dp_world=dp_world)
+    try:
+        return build_slidedp_backend(config, args, device=device, dp_rank=dp_rank,
+                                     dp_world=dp_world)
+    except NodeMismatch as e:  # every rank refuses alike, before anything is allocated
+        raise ConfigError(str(e)) from None

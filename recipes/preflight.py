@@ -369,12 +369,13 @@ def _launch_device(nproc: int) -> torch.device:
     return torch.device("cuda", 0)
 
 
-def check_launch(argv: list[str], *, nproc: int) -> list[str]:
-    """The thorough checks of a launch of `nproc` ranks with the flags `argv`; returns the flags
-    the launch adds (launch_flags), or raises the ConfigError that refuses it."""
+def check_launch(argv: list[str], *, nproc: int, nodes: int = 1) -> list[str]:
+    """The thorough checks of a launch of `nproc` ranks on each of `nodes` nodes with the flags
+    `argv`; returns the flags the launch adds (launch_flags), or raises the ConfigError that
+    refuses it."""
     config = parse_config(argv)
-    flags = launch_flags(config, nproc=nproc)
+    flags = launch_flags(config, nproc=nproc * nodes)
     if flags:
         config = parse_config([*argv, *flags])
-    check_run(config, world=nproc, device=_launch_device(nproc), thorough=True)
+    check_run(config, world=nproc * nodes, device=_launch_device(nproc), thorough=True)
     return flags

@@ -40,6 +40,7 @@ from recipes.parallelize import build_backend
 from recipes.preflight import (CheckedRun, check_no_earlier_run, check_run, data_error,
                                load_checked_tokenizer)
 from recipes.run_lock import FolderInUse, FolderLock, lock_run_folders
+from slidedp.nodes import ReplicaDiverged
 
 logger = logging.getLogger("recipes")
 
@@ -313,7 +314,7 @@ def train(config: JobConfig) -> int | None:
                 logger.info("deleted %s (job.overwrite: a save of the run this one replaces)",
                             path)
         # A stop at a Ctrl-C ends like a run done: every rank waits for rank 0's save to complete.
-        with watching_peers(rank=rank, world=world, expected=(ConfigError, NonFiniteStop)):
+        with watching_peers(rank=rank, world=world, expected=(ConfigError, NonFiniteStop, ReplicaDiverged)):
             return _run(config, checked, rank=rank, world=world, device=device)
     finally:
         for lock in reversed(locks):  # a folder the run created and left unused goes
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteStop as e:  # raised by every rank at the same step
+    except (NonFiniteStop, ReplicaDiverged) as e:  # raised by every rank at the same step
         if rank0:
             print(f"error: {e}", file=sys.stderr)
         return 1

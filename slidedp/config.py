@@ -102,6 +102,10 @@ class SlideDPConfig:
     keep, recompute, selective, op-level saves and segment masks, each with offload 0, 0.5, 1)."""
     policy_file: str = ""
     """A TOML file with a [slidedp] table (AutoPolicy writes one) whose keys replace these."""
+    replica_check_every: Annotated[int, at_least(0)] = 100
+    """With several nodes, every N steps compare a checksum of each node's replica of the
+    master weights and Adam moments with node 0's, and end the run if one diverged (0: never);
+    a check waits for its step's updates first (slidedp/nodes.py)."""
     check_host_memory: bool = True
     """Refuse to start when the host state and the ranks' activation offload pools exceed
     MemAvailable (off for VMs whose memory grows on demand and under-reports at start)."""

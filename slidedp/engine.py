@@ -49,7 +49,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Callable, Iterator
 
@@ -74,6 +74,7 @@ from slidedp.gpu_update import (PREFETCH_AT_BLOCK, STATE_REGIONS, GpuUpdate, Gra
 from slidedp.host_state import (Hold, HostStatePlan, SharedHostState, StepAborted,
                                 available_host_bytes, host_state_bytes, updates_deferred)
 from slidedp.layout import StateLayout, Unit, chunk_elems
+from slidedp.nodes import Nodes, ReplicaCheck, add_other_nodes_loss
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.save_gate import SaveGate
 from slidedp.schedule import Use, plan_micro_batch
@@ -132,15 +133,19 @@ class SlideDPBackend:
         kernels = self.kernels = resolve_kernels(job_config.model.kernels,
                                                  attention=job_config.model.attention,
                                                  device_type=device.type)
-        self.rank, self.world = dp_rank, dp_world
+        # Several nodes (slidedp/nodes.py): each shards its own host state over its own ranks.
+        self.nodes = Nodes.discover(rank=dp_rank, world=dp_world)
+        self.nodes.check_same(_node_fields(job_config, model_args))
+        self.leader = dp_rank == 0  # prints the start-up report
+        self.rank, self.world = self.nodes.local_rank, self.nodes.local_world
         self.max_norm, self.loss_chunk = tr.max_norm, tr.loss_chunk_tokens
         self.guard = tr.nonfinite != "off"
         self.deferred = updates_deferred(max_norm=tr.max_norm, nonfinite=tr.nonfinite,
                                          reduction=cfg.reduction)
-        self.layout = StateLayout(model_args, world=dp_world, sole_owner=self.style.sole_owner)
-        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
+        self.layout = StateLayout(model_args, world=self.world, sole_owner=self.style.sole_owner)
+        self.local_world = self.world
         check_gpu_updates(cfg, grad_accum_steps=tr.grad_accum_steps, n_layers=model_args.n_layers,
-                          world=dp_world)
+                          world=self.world)
         check_speculative(cfg, grad_accum_steps=tr.grad_accum_steps, n_layers=model_args.n_layers)
         needs = dict(grad_accum_steps=tr.grad_accum_steps, max_norm=tr.max_norm,
                      nonfinite=tr.nonfinite)
@@ -161,10 +166,10 @@ class SlideDPBackend:
         lap("checks and activation costs")
 
         distributed = dp_world > 1
-        self.host_group = dist.new_group(backend="gloo") if distributed else None
-        self.state = SharedHostState(self.layout, plan, rank=dp_rank, world=dp_world,
+        self.host_group = self.nodes.local_group(backend="gloo") if distributed else None
+        self.state = SharedHostState(self.layout, plan, rank=self.rank, world=self.world,
                                      share=self._share, barrier=self._barrier,
-                                     pin=device.type == "cuda")
+                                     pin=device.type == "cuda", label=self.nodes.label)
         lap("host state")
         self._init_weights(hf_dir=job_config.model.hf_dir, seed=tr.seed)
         self._barrier()
@@ -172,12 +177,19 @@ class SlideDPBackend:
 
         # Separate communicators: delivery and reduction run in their own threads, so each needs
         # collectives that are ordered only among themselves.
-        self._gather_group = dist.new_group() if distributed else None
-        self._reduce_group = dist.new_group() if distributed else None
-        for group in (self._gather_group, self._reduce_group) if distributed else ():
-            # Create each communicator now, from one thread, rather than lazily inside two
-            # worker threads at once.
-            dist.all_reduce(torch.zeros(1, device=device), group=group)
+        self._gather_group = self.nodes.local_group() if distributed else None
+        self._reduce_group = self.nodes.local_group() if distributed else None
+        # Across nodes: each local rank's shard (the update thread), the totals and checksums
+        # (this thread, on the host).
+        self._cross_group = self.nodes.cross_group()
+        self._cross_host = self.nodes.cross_group(backend="gloo")
+        self.replicas = ReplicaCheck(self.nodes, every=cfg.replica_check_every,
+                                     cross=self._cross_host, local=self.host_group)
+        # Create each communicator now, from one thread, rather than lazily inside two worker
+        # threads at once.
+        for group in (self._gather_group, self._reduce_group, self._cross_group):
+            if group is not None:
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
         self.chunk = chunk_elems(cfg.chunk_mib)
         self.streams = Streams(device)
         self.traffic = Traffic()
@@ -269,6 +281,7 @@ class SlideDPBackend:
         chunk of the copy and update pipelines as well. A peer runtime style runs its own routes
         only."""
         self.style.check_routes(delivery, reduction)
+        self.nodes.check_reduction(reduction)
         check_gpu_updates(replace(self.cfg, delivery=delivery, reduction=reduction),
                           grad_accum_steps=self._accum_steps, n_layers=self.args.n_layers,
                           world=self.world)
@@ -287,7 +300,8 @@ class SlideDPBackend:
                                  chunk_elems=self.chunk, traffic=self.traffic)
         self.grad_return = GradientReturn(self.state, self.streams, route=reduction,
                                           rank=self.rank, world=self.world,
-                                          group=self._reduce_group, chunk_elems=self.chunk,
+                                          group=self._reduce_group, cross=self._cross_group,
+                                          chunk_elems=self.chunk,
                                           traffic=self.traffic,
                                           max_unit=max(u.padded for u in self.layout.units),
                                           threads=self.optimizer.threads,
@@ -375,7 +389,7 @@ class SlideDPBackend:
                                                        device=self.device,
                                                        seq_len=self._micro_shape[1]))
         self.policies = policies
-        if self.rank == 0:
+        if self.leader:
             print(describe_costs(policies, self.activation_costs, *self._micro_shape), flush=True)
 
     def _offload_pool_bytes(self, batch: int, seq: int) -> int:
@@ -391,7 +405,7 @@ class SlideDPBackend:
             return
         if not checked:
             have = available_host_bytes()
-            if self.rank == 0:
+            if self.leader:
                 print(f"[slidedp] activation offload pool grows to {need / 2**30:.2f} GiB per "
                       f"rank for {batch} x {seq} tokens per micro-batch", flush=True)
             if grow * self.local_world > have and self.cfg.check_host_memory:
@@ -407,7 +421,7 @@ class SlideDPBackend:
     def _share(self, value: str) -> str:
         box = [value]
         if self.world > 1:
-            dist.broadcast_object_list(box, src=0, group=self.host_group)
+            dist.broadcast_object_list(box, group_src=0, group=self.host_group)
         return box[0]
 
     def _check_host_memory(self, plan: HostStatePlan, *, offload_pool: int | None) -> None:
@@ -417,7 +431,7 @@ class SlideDPBackend:
         state = host_state_bytes(self.layout, plan)
         need = state + (offload_pool or 0) * self.local_world
         have = available_host_bytes()
-        if self.rank == 0 and offload_pool is not None:
+        if self.leader and offload_pool is not None:
             n = self.args.num_params()
             pool = (f" + activation offload pool {offload_pool / 2**30:.2f} GiB x "
                     f"{self.local_world} ranks" if offload_pool else "")
@@ -846,7 +860,8 @@ class SlideDPBackend:
                 returned.result()  # every unit's norm is issued
             device_totals, scale = device_clip(
                 self.grad_return.take_device_normsq(), loss, max_norm=self.max_norm,
-                guard=self.guard, group=self._reduce_group, streams=self.streams)
+                guard=self.guard, group=self._reduce_group, cross=self._cross_group,
+                streams=self.streams)
             for unit in self.layout.units:
                 self._queue_update(unit, hold, self._returned[unit.index], coef=scale,
                                    skip=False, **step)
@@ -865,6 +880,7 @@ class SlideDPBackend:
             self._normsq = 0.0
             if self.world > 1:
                 dist.all_reduce(totals, group=self.host_group)
+            add_other_nodes_loss(totals, self._cross_host)
         grad_norm, loss_sum = math.sqrt(totals[0].item()), totals[1].item() * global_target_tokens
         self.steps_done += 1
         # Global values: every rank takes the same decision.
@@ -890,7 +906,17 @@ class SlideDPBackend:
             extra["speculative_redo"] = float(coef != 1.0 or skipped)
         extra.update(update_wait_s=t_returned - t_compute, **self._finished_tail(),
                      **self._host_times_since_last_step())
+        if self.replicas.due(self.steps_done):
+            self._check_replicas()
         return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, extra=extra, skipped=skipped)
+
+    def _check_replicas(self) -> None:
+        """slidedp.replica_check_every: this step's updates end first (what overlapped the next
+        step's forward waits instead), then every node's replica is compared with node 0's."""
+        self._drain()
+        self.replicas.check([self.state.shard_view(region, unit) for unit in self.layout.units
+                             for region in self.state.plan.state_regions()],
+                            step=self.steps_done)
 
     def _finished_tail(self) -> dict[str, float]:
         """`update_tail_s` of the latest step whose updates all ended since the last report
@@ -935,7 +961,9 @@ class SlideDPBackend:
         """Nothing is copied: the writer waits for the last step's pending updates, then writes
         this rank's shards (slidedp/state_file.py) unit by unit, in the order the next step
         updates them, and each unit's next update waits until the unit is written (SaveGate).
-        Only this rank's shards are read, so the writer needs no peer (`group` is unused)."""
+        Only this rank's shards are read, so the writer needs no peer (`group` is unused). Node 0
+        alone writes: the other nodes' replicas are the same bytes (slidedp/nodes.py), and every
+        node loads node 0's files on resume."""
         pending = list(self._pending)  # the last step's updates may still be running
         units = list(self.layout.units)
         if not self.deferred:  # the next step updates during backward: head first
@@ -949,8 +977,10 @@ class SlideDPBackend:
                     fut.result()
                 for g in self.gpu_updates.values():
                     g.wait_home()
-                save_shards(self.state, path, steps_done=steps, adam_steps=adam_steps,
-                            units=units, unit_written=lambda u: self._save_gate.release(u.index))
+                if self.nodes.node == 0:
+                    save_shards(self.state, path, steps_done=steps, adam_steps=adam_steps,
+                                units=units,
+                                unit_written=lambda u: self._save_gate.release(u.index))
             finally:
                 self._save_gate.release_all()
 
@@ -995,12 +1025,21 @@ class SlideDPBackend:
         dropped its own needs the GIL; during interpreter finalization that aborts the process
         ("terminate called without an active exception"). Destroyed here, each group joins its
         threads now (torch releases the GIL for it), every rank in the same order."""
-        groups = [g for g in (self.host_group, self._gather_group, self._reduce_group)
-                  if g is not None]
+        groups = [g for g in (self.host_group, self._gather_group, self._reduce_group,
+                              self._cross_group, self._cross_host) if g is not None]
         self.host_group = self._gather_group = self._reduce_group = None
+        self._cross_group = self._cross_host = self.replicas.cross = self.replicas.local = None
         self.delivery.group = self.grad_return.group = None
         for group in groups:
             dist.destroy_process_group(group)
+
+
+def _node_fields(job_config, model_args: ModelArgs) -> dict[str, object]:
+    """What every node must run alike (slidedp/nodes.py check_same), by `section.key`."""
+    sections = {"model": model_args, "training": job_config.training,
+                "optimizer": job_config.optimizer, "slidedp": job_config.slidedp}
+    return {f"{name}.{key}": value for name, section in sections.items()
+            for key, value in asdict(section).items()}
 
 
 def build_slidedp_backend(job_config, model_args: ModelArgs, *, device: torch.device,

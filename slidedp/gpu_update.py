@@ -37,6 +37,7 @@ from torch.optim.adamw import adamw
 from slidedp.config import EmbeddingUpdate, MomentsDtype, SlideDPConfig
 from slidedp.host_state import SharedHostState
 from slidedp.layout import Unit
+from slidedp.nodes import add_other_nodes_loss
 from slidedp.streams import Streams
 from slidedp.traffic import Traffic
 from slidedp.update import AdamHyper
@@ -113,9 +114,10 @@ class GradScale:
 
 
 def device_clip(normsq: torch.Tensor, loss: torch.Tensor, *, max_norm: float, guard: bool,
-                group: dist.ProcessGroup | None,
-                streams: Streams) -> tuple[torch.Tensor, GradScale]:
-    """The step's totals (squared gradient norm, loss) summed over `group`'s ranks, and the
+                group: dist.ProcessGroup | None, streams: Streams,
+                cross: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, GradScale]:
+    """The step's totals (squared gradient norm, loss) summed over `group`'s ranks (the loss
+    over every node's too, `cross`: slidedp/nodes.py), and the
     GradScale of clipping to `max_norm` (0: none) and of the non-finite guard, issued on the
     current stream from this rank's device tensors: for a step whose every update runs on the
     GPU, so that they are queued without the host reading the norm first. The formula is the
@@ -123,6 +125,7 @@ def device_clip(normsq: torch.Tensor, loss: torch.Tensor, *, max_norm: float, gu
     totals = torch.stack([normsq.double(), loss.double()])
     if group is not None:
         dist.all_reduce(totals, group=group)
+    add_other_nodes_loss(totals, cross)
     divisor = found_inf = None
     if max_norm > 0:
         coef = (max_norm / (totals[0].sqrt() + 1e-6)).clamp(max=1.0)

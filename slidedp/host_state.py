@@ -50,6 +50,8 @@ from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.streams import register_host, unregister_host
 
 _CONTROL_FIELDS = ("version", "ready", "consumed")
+STATE_LABEL = "slidedp-host-state"
+"""The shared host state's memfd name (/proc/PID/maps shows it)."""
 MOMENT_SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 """The scale region of each 8-bit moment region: one FP32 per MOMENT_BLOCK elements."""
 REDO_PREFIX = "redo_"
@@ -261,13 +263,15 @@ class SharedHostState:
     """The mapped regions, as flat CPU tensors shared by every local rank."""
 
     def __init__(self, layout: StateLayout, plan: HostStatePlan, *, rank: int, world: int,
-                 share: Callable[[str], str], barrier: Callable[[], None], pin: bool):
-        """`share(path)` broadcasts rank 0's string to every rank; `barrier()` syncs the ranks."""
+                 share: Callable[[str], str], barrier: Callable[[], None], pin: bool,
+                 label: str = STATE_LABEL):
+        """`share(path)` broadcasts rank 0's string to every rank; `barrier()` syncs the ranks;
+        `label` names the memfd (/proc/PID/maps: one per node, slidedp/nodes.py)."""
         self.layout, self.plan, self.rank, self.world = layout, plan, rank, world
         self.nbytes = host_state_bytes(layout, plan)
         path = ""
         if rank == 0:
-            fd = os.memfd_create("slidedp-host-state", os.MFD_CLOEXEC)
+            fd = os.memfd_create(label, os.MFD_CLOEXEC)
             os.ftruncate(fd, self.nbytes)
             path = f"/proc/{os.getpid()}/fd/{fd}"
         path = share(path)

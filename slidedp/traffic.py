@@ -17,6 +17,8 @@ class Traffic:
     """Gradient bytes sent to peers over the GPU interconnect (GPU-side reduction)."""
     host_reduce: int = 0
     """Gradient bytes this rank read from host memory to sum peers' gradients (CPU reduction)."""
+    inter_node: int = 0
+    """Gradient bytes of this rank's shard all-reduced across the nodes (several nodes)."""
     offload_d2h: int = 0
     """Saved-activation bytes offloaded to host memory in forward (PCIe)."""
     offload_h2d: int = 0

@@ -68,14 +68,17 @@ class GradientReturn:
 
     def __init__(self, state: SharedHostState, streams: Streams, *, route: ReductionRoute,
                  rank: int, world: int, group: dist.ProcessGroup | None, chunk_elems: int,
-                 traffic: Traffic, max_unit: int, threads: int, barrier_per_chunk: bool = False):
+                 traffic: Traffic, max_unit: int, threads: int, barrier_per_chunk: bool = False,
+                 cross: dist.ProcessGroup | None = None):
         """`barrier_per_chunk`: on the cpu route every rank waits for every other after each
-        chunk it copied home (SlideFormer-style)."""
+        chunk it copied home (SlideFormer-style). `cross` (gpu route, several nodes): the ranks
+        of this local rank on every node, whose shards are all-reduced after the node's
+        reduce-scatter (slidedp/nodes.py)."""
         if route not in get_args(ReductionRoute):
             raise ValueError(f"slidedp.reduction must be one of {get_args(ReductionRoute)}, "
                              f"got {route!r}")
         self.state, self.streams, self.route = state, streams, route
-        self.rank, self.world, self.group = rank, world, group
+        self.rank, self.world, self.group, self.cross = rank, world, group, cross
         self.chunk, self.traffic, self.threads = chunk_elems, traffic, threads
         self.barrier_per_chunk = barrier_per_chunk and world > 1
         self.stream = streams.new_stream()
@@ -134,6 +137,9 @@ class GradientReturn:
                 shard = torch.empty(hi - lo, dtype=flat_grad.dtype, device=flat_grad.device)
                 reduce_scatter_single(shard, flat_grad, group=self.group)
                 self.traffic.reduce_scatter += (unit.padded - (hi - lo)) * 2
+            if self.cross is not None:  # the other nodes' sums of the same shard
+                dist.all_reduce(shard, group=self.cross)
+                self.traffic.inter_node += (hi - lo) * 2
             if norm:
                 sq = torch.linalg.vector_norm(shard, dtype=torch.float32).square()
                 self._normsq = sq if self._normsq is None else self._normsq + sq

@@ -104,9 +104,11 @@ def kill_process_tree(pid: int) -> None:
 
 
 def _rank_main(fn: Callable, rank: int, world: int, port: int, args: tuple,
-               results: mp.Queue) -> None:
+               results: mp.Queue, nodes: int = 1) -> None:
+    local_world = world // nodes  # torchrun's node groups: node n holds ranks n*L .. n*L+L-1
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_world),
+                      LOCAL_WORLD_SIZE=str(local_world), GROUP_RANK=str(rank // local_world))
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -124,14 +126,15 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, args: tuple,
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], *, world: int, args: tuple = (),
+def run_ranks(fn: Callable[..., Any], *, world: int, args: tuple = (), nodes: int = 1,
               timeout: float = 300) -> list[Any]:
     """Run `fn(rank, world, *args)` on `world` spawned CPU processes sharing a gloo process
-    group; returns the results by rank. A failing rank fails the test with its traceback."""
+    group, grouped into `nodes` nodes as torchrun's environment says; returns the results by
+    rank. A failing rank fails the test with its traceback."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world, port, args, results))
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world, port, args, results, nodes))
              for rank in range(world)]
     for p in procs:
         p.start()

@@ -1,0 +1,177 @@
+"""SlideDP over several nodes (slidedp/nodes.py), tested as two nodes on this machine: the
+launch's rendezvous flags, and real gloo ranks grouped into nodes as torchrun groups them."""
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from protocols.model_spec import get_flavor
+from recipes.baselines.eager import build_fsdp2_backend
+from recipes.config import ConfigError
+from recipes.launch import rendezvous_args
+from slidedp.engine import SlideDPBackend
+from slidedp.nodes import NodeMismatch, ReplicaDiverged
+from tests.conftest import REPO, free_port, kill_process_tree, run_ranks, subprocess_env
+from tests.slidedp_worker import global_batches, make_config
+from tests.test_slidedp import assert_matches_reference, single_reference
+
+
+def test_rendezvous_args_name_the_node_or_the_endpoint():
+    assert rendezvous_args({}) == ["--standalone"]
+    assert rendezvous_args({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "n0",
+                            "MASTER_PORT": "29500"}) == [
+        "--nnodes=2", "--node-rank=1", "--master-addr=n0", "--master-port=29500"]
+    assert rendezvous_args({"NNODES": "2", "RDZV_ENDPOINT": "n0:29400"}) == [
+        "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=n0:29400", "--rdzv-id=slidedp"]
+    with pytest.raises(ConfigError, match="NODE_RANK, MASTER_ADDR"):
+        rendezvous_args({"NNODES": "2", "MASTER_PORT": "1"})
+    with pytest.raises(ConfigError, match="NODE_RANK must be 0 to 1"):
+        rendezvous_args({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
+
+
+WORLD, NODES, STEPS, ACCUM, MAX_NORM = 4, 2, 3, 2, 0.5
+FLAVOR = "qwen3-debug"
+
+
+def _train(backend, rank: int, *, accum: int, corrupt_after: int | None = None) -> dict:
+    """STEPS steps of the worker's global batches, rank `rank`'s slice; with `corrupt_after`,
+    node 1's local rank 0 nudges its own replica's master after that step."""
+    losses, norms, error = [], [], None
+    data = global_batches(steps=STEPS, accum=accum, batch=2 * WORLD, seq=16,
+                          vocab=get_flavor(FLAVOR).vocab_size, seed=7)
+    for step, micro in enumerate(data, 1):
+        ntok = sum(int((y != -100).sum()) for _, y in micro)
+        mine = [(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]) for x, y in micro]
+        try:
+            r = backend.train_step(mine, lr=1e-3, global_target_tokens=ntok)
+        except ReplicaDiverged as e:
+            error = str(e)
+            break
+        losses.append(r.loss_sum / ntok)
+        norms.append(r.grad_norm)
+        if step == corrupt_after and rank == 2:
+            backend._drain()
+            backend.state.master[0] += 1e-3
+    weights = {n: t.clone() for n, t in backend.named_master_parameters()}
+    state = ({name: backend.state.regions[name].clone() for name in ("exp_avg", "exp_avg_sq")}
+             if hasattr(backend, "state") else {})
+    backend.close()
+    return {"losses": losses, "grad_norms": norms, "weights": weights, "state": state,
+            "error": error}
+
+
+def _nodes_rank(rank: int, world: int) -> dict:
+    """On 2 nodes x 2 ranks: fsdp2 over all 4, SlideDP's variants, the checksum's detection
+    and the refusal of a node whose configuration differs."""
+    cfg = make_config({}, accum=ACCUM, max_norm=MAX_NORM)
+    out = {"fsdp2": _train(build_fsdp2_backend(cfg, get_flavor(FLAVOR), device=torch.device("cpu")),
+                           rank, accum=ACCUM)}
+    variants = {"sharded": ({"delivery": "sharded", "replica_check_every": 1}, ACCUM),
+                "replicated": ({"delivery": "replicated", "chunk_mib": 0.003}, 1)}
+    for name, (variant, accum) in variants.items():
+        cfg = make_config(variant, accum=accum, max_norm=MAX_NORM)
+        out[name] = _train(SlideDPBackend(cfg, get_flavor(FLAVOR), device=torch.device("cpu"),
+                                          dp_rank=rank, dp_world=world), rank, accum=accum)
+    cfg = make_config({"replica_check_every": 2}, accum=1, max_norm=MAX_NORM)
+    out["diverged"] = _train(SlideDPBackend(cfg, get_flavor(FLAVOR), device=torch.device("cpu"),
+                                            dp_rank=rank, dp_world=world),
+                             rank, accum=1, corrupt_after=1)
+    cfg = make_config({"chunk_mib": 1.0 if rank >= 2 else 32.0}, accum=1, max_norm=MAX_NORM)
+    try:
+        SlideDPBackend(cfg, get_flavor(FLAVOR), device=torch.device("cpu"), dp_rank=rank,
+                       dp_world=world)
+        out["mismatch"] = None
+    except NodeMismatch as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def nodes_runs() -> list[dict]:
+    """One launch of 4 real gloo ranks as 2 nodes of 2, every run of this module's tests."""
+    return run_ranks(_nodes_rank, world=WORLD, nodes=NODES)
+
+
+@pytest.mark.parametrize("variant", ["sharded", "replicated"])
+def test_two_nodes_match_fsdp2_and_single(nodes_runs, variant):
+    """Clipping on (the norm starts above 0.5), with and without accumulation: the losses and
+    norms equal fsdp2's on 4 ranks (the norm counted once, not once per node), and the weights
+    single's."""
+    accum = ACCUM if variant == "sharded" else 1
+    run, fsdp2 = nodes_runs[0][variant], nodes_runs[0]["fsdp2"]
+    if accum == ACCUM:
+        assert run["losses"] == pytest.approx(fsdp2["losses"], rel=1e-2)
+        assert run["grad_norms"] == pytest.approx(fsdp2["grad_norms"], rel=2e-2)
+        assert min(run["grad_norms"]) > MAX_NORM  # every step clipped
+    ref_losses, ref_weights = single_reference(world=WORLD, flavor=FLAVOR, steps=STEPS,
+                                               accum=accum, max_norm=MAX_NORM)
+    assert_matches_reference([{**run, "variant": variant}], ref_losses, ref_weights)
+
+
+@pytest.mark.parametrize("variant", ["sharded", "replicated"])
+def test_replicas_stay_bit_identical(nodes_runs, variant):
+    """Node 1's master weights and Adam moments (its local rank 0 maps them all) are node 0's,
+    bit for bit, and every rank reports the same losses and norms."""
+    node0, node1 = nodes_runs[0][variant], nodes_runs[2][variant]
+    assert node0["weights"].keys() == node1["weights"].keys()
+    for name, w in node0["weights"].items():
+        assert torch.equal(w, node1["weights"][name]), name
+    for name, m in node0["state"].items():
+        assert torch.equal(m, node1["state"][name]), name
+    assert all(r[variant]["losses"] == node0["losses"] and
+               r[variant]["grad_norms"] == node0["grad_norms"] for r in nodes_runs)
+
+
+def test_replica_checksum_detects_a_diverged_node(nodes_runs):
+    """Node 1's replica nudged after step 1: the check after step 2 ends every rank alike, naming
+    node 1; the sharded variant checked every step and found nothing."""
+    for r in nodes_runs:
+        assert r["diverged"]["error"] is not None and "node(s) 1 differs" in r["diverged"]["error"]
+        assert "after step 2" in r["diverged"]["error"]
+        assert len(r["diverged"]["losses"]) == 1
+        assert r["sharded"]["error"] is None
+
+
+def test_a_node_with_another_config_is_refused(nodes_runs):
+    messages = {r["mismatch"] for r in nodes_runs}
+    assert len(messages) == 1  # every rank alike
+    (message,) = messages
+    assert message is not None and "node 1 runs slidedp.chunk_mib = 1.0 and node 0 runs 32.0" in message
+
+
+def test_two_launches_train_and_a_killed_node_ends_the_other(tmp_path):
+    """run_train.sh twice on this machine (NODE_RANK 0 and 1, one rank each): they train
+    together; node 1 killed (its launcher and rank), node 0 ends within bounded time with one
+    error line naming the node."""
+    port = str(free_port())
+    launches = []
+    for node in (0, 1):
+        env = subprocess_env(NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=port, NGPU="1", PYTHON=sys.executable)
+        launches.append(subprocess.Popen(
+            ["./run_train.sh", "--parallelism.mode=slidedp", "--training.steps=100000",
+             f"--job.dump_folder={tmp_path}/out", f"--checkpoint.save_dir={tmp_path}/hf"],
+            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text()):
+            assert time.monotonic() < deadline and launches[0].poll() is None, "no steps"
+            time.sleep(0.2)
+        kill_process_tree(launches[1].pid)
+        killed = time.monotonic()
+        out, _ = launches[0].communicate(timeout=60)
+        ended_s = time.monotonic() - killed
+        assert ended_s < 30, ended_s
+    finally:
+        for p in launches:
+            kill_process_tree(p.pid)
+            p.wait()
+    assert launches[0].returncode != 0
+    errors = [line for line in out.splitlines() if re.search(r"\berror: ", line)]
+    assert len(errors) == 1, out[-3000:]
+    assert re.search(r"error: rank 1 \(pid \d+\) of node 1 is gone", errors[0]), errors
