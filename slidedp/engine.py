@@ -800,14 +800,21 @@ class SlideDPBackend:
         hold = self.state.plan.hold(n_micro=len(micro_batches), reduction=self.grad_return.route,
                                     deferred=self.deferred)
         try:
-            return self._train_step(micro_batches, hold=hold, lr=lr,
-                                    global_target_tokens=global_target_tokens)
+            result = self._train_step(micro_batches, hold=hold, lr=lr,
+                                      global_target_tokens=global_target_tokens)
         except BaseException as e:
             self._abort()
             cause = self._failed_job()
             if isinstance(e, StepAborted) and cause is not None:
                 raise cause  # a job of the update thread failed and stopped the waits
             raise
+        if self.replicas.due(self.steps_done):
+            # Outside the failed-step path: the step is complete, and every rank finds a
+            # divergence in the same collective, so the backend still closes (its groups joined).
+            self.replicas.check([self.state.shard_view(region, unit) for unit in self.layout.units
+                                 for region in self.state.plan.state_regions()],
+                                step=self.steps_done)
+        return result
 
     def _failed_job(self) -> BaseException | None:
         """The first error of an update-thread job, other than the stops it caused."""
@@ -907,16 +914,8 @@ class SlideDPBackend:
         extra.update(update_wait_s=t_returned - t_compute, **self._finished_tail(),
                      **self._host_times_since_last_step())
         if self.replicas.due(self.steps_done):
-            self._check_replicas()
+            self._drain()  # the checksum reads this step's updates: they end first
         return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, extra=extra, skipped=skipped)
-
-    def _check_replicas(self) -> None:
-        """slidedp.replica_check_every: this step's updates end first (what overlapped the next
-        step's forward waits instead), then every node's replica is compared with node 0's."""
-        self._drain()
-        self.replicas.check([self.state.shard_view(region, unit) for unit in self.layout.units
-                             for region in self.state.plan.state_regions()],
-                            step=self.steps_done)
 
     def _finished_tail(self) -> dict[str, float]:
         """`update_tail_s` of the latest step whose updates all ended since the last report
@@ -1029,7 +1028,7 @@ class SlideDPBackend:
                               self._cross_group, self._cross_host) if g is not None]
         self.host_group = self._gather_group = self._reduce_group = None
         self._cross_group = self._cross_host = self.replicas.cross = self.replicas.local = None
-        self.delivery.group = self.grad_return.group = None
+        self.delivery.group = self.grad_return.group = self.grad_return.cross = None
         for group in groups:
             dist.destroy_process_group(group)
 
