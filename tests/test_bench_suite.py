@@ -201,3 +201,46 @@ def test_set_overrides_a_suites_variables_and_its_deadline():
     assert suite.load_suite("cast_copy", sets, builtins).workloads[0]["ngpu"] == [1, 2, 4, 8]
     long = suite.load_suite("long_context", suite.parse_sets(["flavor=qwen3-4B"]), builtins)
     assert "--out o/attention_qwen3-4B_262k.jsonl" in long.workloads[0]["flags"]
+
+
+def test_an_out_dir_an_earlier_invocation_used_is_refused_before_the_correctness_stage(tmp_path):
+    """A second invocation into the same folder would append its launch logs to the first's (the
+    numbering restarts) and print the first's correctness lines as its own."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/correctness.log").write_text("27 failed\n")
+    gate = _suite(tmp_path / "gate.toml", f"""
+        [[workload]]
+        name = "marker"
+        code = "open('{tmp_path / 'gate_ran'}', 'w')"
+        """)
+    proc = _runner(tmp_path, "fsdp2_peak_4b", correctness=gate)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'out'} holds an earlier invocation's correctness.log; give a new OUT_DIR"]
+    assert not (tmp_path / "gate_ran").exists() and "=== correctness" not in proc.stdout
+
+
+def test_a_module_the_launches_import_but_this_python_lacks_is_refused_first(tmp_path):
+    """The bench's modules are imported in a child with the launches' environment: with pulp
+    hidden from it (as on a GPU machine that lacks it), the invocation ends before its
+    correctness stage."""
+    hide = tmp_path / "site"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys
+
+        class HidePulp:
+            def find_spec(self, name, path=None, target=None):
+                if name == "pulp":
+                    raise ModuleNotFoundError("No module named 'pulp'")
+
+        sys.meta_path.insert(0, HidePulp())
+        """))
+    env = subprocess_env()
+    env["PYTHONPATH"] += os.pathsep + str(hide)
+    proc = _runner(tmp_path, "fsdp2_peak_4b", env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: a launch would fail: ModuleNotFoundError: No module named 'pulp'; install it, or "
+        "carry its wheel to the GPU machine"]
+    assert "=== correctness" not in proc.stdout and not (tmp_path / "out").exists()

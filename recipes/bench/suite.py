@@ -13,8 +13,10 @@ launch's output to OUT_DIR/logs/, one progress line per launch to stdout, and at
 headline table (recipes.bench.headline) of OUT_DIR/runs.jsonl. Every launch runs with NVLink
 multicast off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1),
 PYTHONUNBUFFERED=1, OMP_NUM_THREADS = cores / ranks and the repository on PYTHONPATH. The exit
-status is 1 if a launch failed or was killed (the suite goes on past it), 2 for a suite that
-cannot run as written (found before anything runs). --dry-run prints every command instead.
+status is 1 if a launch failed or was killed (the suite goes on past it), 2 before anything
+runs for a suite that cannot run as written, an OUT_DIR that holds an earlier invocation's
+results, or a module the launches import that this Python lacks. --dry-run prints every
+command instead.
 
 A suite file:
 
@@ -562,6 +564,25 @@ def headline_table(runs: Path) -> str:
         return str(e)
 
 
+def missing_imports(suites: list[Suite], env: dict[str, str]) -> str | None:
+    """The import error a launch would meet, or None: the bench's modules and, where a workload
+    asks for them, Liger's kernels, imported in a child. The GPU machine runs the repository
+    from its tree with the packages it has, so a missing one (pulp, liger-kernel) would
+    otherwise surface in the first launch, after the minutes of the correctness stage."""
+    modules = ["recipes.bench.throughput"]
+    if any("liger" in str(w.get("flags", "")) for s in suites for w in s.workloads):
+        modules.append("liger_kernel")
+    proc = subprocess.run([sys.executable, "-c", f"import {', '.join(modules)}"], cwd=REPO,
+                          env=env, capture_output=True, text=True)
+    return None if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1]
+
+
+def used_out_dir(out: Path) -> list[str]:
+    """What an earlier invocation left in `out`: its rows, correctness log or launch logs, which
+    this one would append to (a launch log per number) and mix into its own table."""
+    return [n for n in ("runs.jsonl", "correctness.log", "logs") if (out / n).exists()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -596,9 +617,17 @@ def main(argv: list[str] | None = None) -> int:
     except SuiteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not a.dry_run:
-        out.mkdir(parents=True, exist_ok=True)
     runner = Runner(out, ngpu, shlex.split(a.extra), a.dry_run)
+    if not a.dry_run:  # refused before the minutes of the correctness stage
+        if used := used_out_dir(out):
+            print(f"error: {out} holds an earlier invocation's {', '.join(used)}; give a new "
+                  "OUT_DIR", file=sys.stderr)
+            return 2
+        if missing := missing_imports([gate, *suites], runner.env):
+            print(f"error: a launch would fail: {missing}; install it, or carry its wheel to the "
+                  "GPU machine", file=sys.stderr)
+            return 2
+        out.mkdir(parents=True, exist_ok=True)
     print(f"[suite] {ngpu} rank(s) per launch, OMP_NUM_THREADS={runner.env['OMP_NUM_THREADS']}, "
           f"out {out}", flush=True)
     if not runner.correctness(gate):
