@@ -115,11 +115,13 @@ def test_the_probe_times_in_the_runs_dtype_and_caches_it_apart(rates_dir, monkey
     assert cached == {f"{bf16.model}.json": "bf16", f"{fp32.model}.json": "fp32"}
 
 
-def test_the_compute_bound_is_at_most_a_measured_step(rates_dir, tmp_path, capsys):
+def test_the_compute_bound_is_at_most_a_measured_step(rates_dir, tmp_path, capsys, monkeypatch):
     """debug_cpu's compute alone, probed here in its FP32, against its steps trained here (the
     median after the first few), both on this process's threads. The step adds the optimizer
     and the data; 10% covers two timings on a shared machine, not BF16 blocks timed for an FP32
-    run (slower on CPUs without BF16 matmuls)."""
+    run (slower on CPUs without BF16 matmuls). Another test worker may load the cores during one
+    probe and not during the steps (the suite runs two), and load only slows a timing: the
+    bound is the fastest of up to three probes, each into a fresh cache."""
     threads = str(torch.get_num_threads())
     proc = subprocess.run([sys.executable, "-m", "recipes.train", f"--job.config_file={DEBUG}",
                            "--training.steps=25", f"--job.dump_folder={tmp_path}/run",
@@ -129,10 +131,15 @@ def test_the_compute_bound_is_at_most_a_measured_step(rates_dir, tmp_path, capsy
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     measured = statistics.median(r["step_time_s"] for r in rows[5:])
-    assert main([DEBUG, f"--job.dump_folder={tmp_path}/plan"]) == 0
-    out = capsys.readouterr().out
-    bound = float(re.search(r"^compute alone .*?: ([\d.]+) s per step", out, re.M)[1])
-    assert bound <= 1.1 * measured, (bound, measured, out)
+    bounds = []
+    for attempt in range(3):
+        monkeypatch.setenv("SLIDEDP_RATES_DIR", str(rates_dir / str(attempt)))
+        assert main([DEBUG, f"--job.dump_folder={tmp_path}/plan{attempt}"]) == 0
+        out = capsys.readouterr().out
+        bounds.append(float(re.search(r"^compute alone .*?: ([\d.]+) s per step", out, re.M)[1]))
+        if min(bounds) <= 1.1 * measured:
+            break
+    assert min(bounds) <= 1.1 * measured, (bounds, measured, out)
 
 
 def test_a_model_too_large_for_the_cpu_is_refused_before_measuring(rates_dir, no_measuring,
