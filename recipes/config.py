@@ -202,6 +202,11 @@ class Plan:
     this machine's (the probe's cache, else measured here)."""
     ngpu: Annotated[int, at_least(0)] = 0
     """Ranks (GPUs) to plan for; 0: the rates' machine's."""
+    nnodes: Annotated[int, at_least(1)] = 1
+    """Nodes of `ngpu` ranks each to plan for (slidedp/nodes.py's replicated mode)."""
+    link: str = ""
+    """The nodes' network when nnodes > 1: a file shipped in slidedp/plan/rates/links/ by name
+    (e.g. ib400x8) or a path."""
 
 
 @dataclass

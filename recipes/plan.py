@@ -1,6 +1,7 @@
 """What a run needs and how fast it will go, printed before anything is allocated:
 
-    python -m recipes.plan CONFIG [--section.key=value ...] [--rates R] [--ngpu N] [--search]
+    python -m recipes.plan CONFIG [--section.key=value ...] [--rates R] [--ngpu N]
+                                  [--nnodes N --link L] [--search]
 
 The plan (slidedp/plan/report.py) needs the rates of the machine it is for, which the
 configuration's [plan] section names (the shipped train_configs/ name theirs), `--rates` and
@@ -9,7 +10,9 @@ a800x8_nvlink: plan for hardware you do not have) or a path; without one, the pr
 for this machine, model and compute dtype, else the probe runs here first (on a GPU; on the CPU
 only for small models), as `python -m recipes.probe` does on its own. `--search` runs
 AutoPolicy from the model alone (nothing measured) and writes its choice to a policy file that
-`slidedp.policy_file` loads.
+`slidedp.policy_file` loads. `--nnodes` (or [plan] nnodes) plans SlideDP over that many nodes
+of the machine, joined by `--link` (a file shipped in slidedp/plan/rates/links/ by name, e.g.
+ib400x8, or a path): the step-time model adds each rank's cross-node all-reduce.
 
 The configuration is read and checked exactly as recipes/train.py reads it; this command, not
 slidedp/plan/, owns that (slidedp/ imports nothing from recipes/).
@@ -25,6 +28,8 @@ import torch.distributed as dist
 from models.kernels import resolve_kernels
 from recipes.config import ConfigError, parse_config, resolve_model
 from recipes.preflight import device_memory
+from slidedp.peer_styles import RUNTIME_STYLES
+from slidedp.plan.link import Link, load_link
 from slidedp.plan.predict import compute_dtype, policies_of
 from slidedp.plan.probe import probe
 from slidedp.plan.rates import MissingRate, Rates, load_rates
@@ -77,6 +82,30 @@ def rates_for(job: Job, *, rates: str) -> Rates:
         raise PlanError(f"{'--rates' if rates else 'plan.rates'}: {e}") from None
 
 
+def link_for(job: Job, *, nodes: int, link: str) -> Link | None:
+    """`--link` if given, else [plan] link, for a plan over `nodes` > 1 (None on one node)."""
+    config = job.config
+    if nodes < 1:
+        raise PlanError(f"--nnodes must be >= 1, got {nodes}")
+    if nodes == 1:
+        return None
+    if config.parallelism.mode != "slidedp":
+        raise PlanError(f"--nnodes {nodes}: the planner models SlideDP over several nodes, not "
+                        f"mode {config.parallelism.mode!r}")
+    reduction = RUNTIME_STYLES[config.slidedp.runtime].configure(config.slidedp).reduction
+    if reduction != "gpu":
+        raise PlanError(f'--nnodes {nodes}: several nodes reduce with slidedp.reduction = "gpu", '
+                        f"not {reduction!r} (slidedp/nodes.py)")
+    name = link or config.plan.link
+    if not name:
+        raise PlanError(f"--nnodes {nodes} needs the nodes' link: --link NAME (a file of "
+                        "slidedp/plan/rates/links/, e.g. ib400x8) or [plan] link")
+    try:
+        return load_link(name)
+    except (FileNotFoundError, ValueError) as e:
+        raise PlanError(f"{'--link' if link else 'plan.link'}: {e}") from None
+
+
 def split_flags(argv: list[str], parser: argparse.ArgumentParser
                 ) -> tuple[argparse.Namespace, list[str]]:
     """Our options, and the configuration's flags (--section.key=value: a dot in the name) with
@@ -97,6 +126,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ngpu", type=int, default=0,
                         help="ranks (GPUs) to plan for; default: [plan] ngpu, else the rates' "
                              "machine's")
+    parser.add_argument("--nnodes", type=int, default=0,
+                        help="nodes of --ngpu ranks each to plan for; default: [plan] nnodes")
+    parser.add_argument("--link", default="",
+                        help="the nodes' link (with --nnodes > 1): a shipped links/ file by name "
+                             "or a path; default: [plan] link")
     parser.add_argument("--search", action="store_true",
                         help="AutoPolicy from the model alone: the best routes, slots, chunk, "
                              "shadow and per-block policies, written to --out")
@@ -108,8 +142,10 @@ def main(argv: list[str]) -> int:
         world = ours.ngpu or job.config.plan.ngpu or rates.machine.devices
         if world < 1:
             raise PlanError(f"--ngpu must be >= 1, got {world}")
-        print("\n".join(plan_text(job, rates, world=world, resident_memory=device_memory)),
-              flush=True)
+        nodes = ours.nnodes or job.config.plan.nnodes
+        link = link_for(job, nodes=nodes, link=ours.link)
+        print("\n".join(plan_text(job, rates, world=world, resident_memory=device_memory,
+                                  nodes=nodes, link=link)), flush=True)
         if ours.search:
             print("\n".join(search_offline(job, rates, world=world, out=ours.out)), flush=True)
     except (PlanError, MissingRate) as e:

@@ -5,6 +5,7 @@ is allocated, and the configuration it should run with (docs/DESIGN.md §9).
                   (the start-up check, recipes/preflight.py; the baselines' part:
                   recipes/baselines/memory.py)
   rates.py        a machine's rates (one JSON file; rates/*.json ship some), the probe's cache
+  link.py         an inter-node link's rates (rates/links/*.json ship some): several nodes
   probe.py        measures them on this machine; triad.py: the STREAM triad it uses
   workload.py     GPU seconds and activation bytes of a step's uses, by policy
   simulate.py     tasks on lanes and shared capacities (a fluid discrete-event simulation)

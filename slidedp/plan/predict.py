@@ -13,6 +13,7 @@ from slidedp.host_state import HostStatePlan, host_state_regions, updates_deferr
 from slidedp.layout import StateLayout, chunk_elems
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.memory import MemoryEstimate, estimate_device_memory
+from slidedp.plan.link import Link
 from slidedp.plan.policy_file import activation_keys
 from slidedp.plan.rates import Rates
 from slidedp.plan.steptime import Schedule, StepPrediction, StepSpec, simulate_step
@@ -82,9 +83,11 @@ def threads_per_rank(config, rates: Rates, world: int) -> int:
 
 def step_spec(config, args: ModelArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
               policies: list[ActivationPolicy] | None = None,
-              schedule: Schedule = "slidedp") -> StepSpec:
-    """The step the model simulates for `config` on `world` ranks of the machine of `rates`: with
-    the routes and shadow of its runtime style, as the engine runs them."""
+              schedule: Schedule = "slidedp", nodes: int = 1,
+              link: Link | None = None) -> StepSpec:
+    """The step the model simulates for `config` on `world` ranks of the machine of `rates`
+    (on each of `nodes` nodes joined by `link`): with the routes and shadow of its runtime
+    style, as the engine runs them."""
     tr = config.training
     s = RUNTIME_STYLES[config.slidedp.runtime].configure(config.slidedp)
     policies = list(policies or policies_of(config, args))
@@ -102,10 +105,11 @@ def step_spec(config, args: ModelArgs, *, flavor: str, kernels: str, world: int,
         cores=rates.machine.cores, unit_elems=tuple(u.padded for u in layout.units),
         work=work.micro_batch(policies, batch), offload=tuple(p.offload for p in policies),
         offload_bytes=tuple(offloaded[p] for p in policies),
-        tokens=batch * tr.seq_len * tr.grad_accum_steps * world, schedule=schedule,
+        tokens=batch * tr.seq_len * tr.grad_accum_steps * world * nodes, schedule=schedule,
         kernels=kernels, embedding_on_gpu=s.embedding_update == "gpu",
         resident_units=frozenset(u for u, resident in gpu_updated_units(s, args.n_layers).items() if resident),
-        moments=host.moments, speculative="stands" if host.redo else "off")
+        moments=host.moments, speculative="stands" if host.redo else "off", nodes=nodes,
+        link=link)
 
 
 def state_plan(config) -> HostStatePlan:
@@ -117,9 +121,11 @@ def state_plan(config) -> HostStatePlan:
 
 def plan_run(config, args: ModelArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
              policies: list[ActivationPolicy] | None = None,
-             schedule: Schedule = "slidedp", simulate: bool = True) -> RunPlan:
+             schedule: Schedule = "slidedp", simulate: bool = True, nodes: int = 1,
+             link: Link | None = None) -> RunPlan:
     """Memory and the predicted step of `config` (parallelism.mode = "slidedp") on `world`
-    ranks of the machine of `rates`. `policies` replace the configuration's per-block ones;
+    ranks of the machine of `rates`, on each of `nodes` nodes joined by `link` (memory is per
+    node: each holds its replica). `policies` replace the configuration's per-block ones;
     without `simulate`, the memory alone (for rates that cannot time the step)."""
     if policies is not None:
         config = with_policies(config, policies)
@@ -134,7 +140,7 @@ def plan_run(config, args: ModelArgs, *, flavor: str, kernels: str, world: int, 
         config, args, world=world, kernels=kernels,
         block_bytes=(lambda p: work.activation_bytes(p, batch)[0] / tokens) if measured else None)
     spec = step_spec(config, args, flavor=flavor, kernels=kernels, world=world, rates=rates,
-                     schedule=schedule)
+                     schedule=schedule, nodes=nodes, link=link)
     speculation = None
     if simulate and spec.speculative != "off":
         speculation = Speculation(redone=simulate_step(replace(spec, speculative="redone"), rates),

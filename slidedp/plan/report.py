@@ -11,6 +11,7 @@ from typing import get_args
 from protocols.model_spec import ModelArgs
 from slidedp.activations import KEEP, RECOMPUTE, format_blocks
 from slidedp.plan.ilp import solve
+from slidedp.plan.link import Link
 from slidedp.plan.memory import REFUSE_ABOVE, MemoryEstimate
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.policy_file import policy_settings, write_policy_file
@@ -78,6 +79,15 @@ def describe_rates(rates: Rates) -> str:
     return f"{m.name} (rates {label})"
 
 
+def describe_nodes(nodes: int, link: Link | None) -> list[str]:
+    """The line of a plan over several nodes: how many, and their link."""
+    if nodes == 1:
+        return []
+    label = {"measured": "measured", "spec": "from published line rates, not measured"}[link.source]
+    return [f"x {nodes} nodes (replicated host state, memory below per node), joined by "
+            f"{link.name} (link rates {label}; a predicted step)"]
+
+
 def format_memory(plan: RunPlan, rates: Rates) -> list[str]:
     host = plan.host_parts
     parts = ", ".join(f"{name} {_gib(n)}" for name, n in host.items() if n and name != "control")
@@ -98,8 +108,8 @@ def format_step(plan: RunPlan, rates: Rates) -> list[str]:
              f"({spec.tokens:,} tokens per step); service-demand lower bound {p.bound_s:.3f} s "
              f"({_on_device(p.bound_resource, rates)})",
              f"  {'resource':<14} {'demand s':>9} {'busy s':>9}   {word} idle while first busy"]
-    exposed = {"h2d per GPU": "h2d", "interconnect": "collective", "d2h per GPU": "d2h",
-               "cpu update": "cpu update"}
+    exposed = {"h2d per GPU": "h2d", "interconnect": "collective", "inter-node link": "inter-node",
+               "d2h per GPU": "d2h", "cpu update": "cpu update"}
     for name, demand in p.demand_s.items():
         if name == "gpu compute" or demand or p.busy_s.get(name):
             shown = exposed.get(name)
@@ -141,10 +151,12 @@ DeviceMemory = Callable[..., MemoryEstimate]
 
 
 def plan_text(job: Job, rates: Rates, *, world: int,
-              resident_memory: DeviceMemory | None = None) -> list[str]:
-    """The printed plan of `job` on `world` ranks of the machine of `rates`. A mode that keeps
-    the model on the device (single, fsdp2) needs `resident_memory`, its device estimate: the
-    recipes model those modes (recipes/preflight.py's device_memory), not this package."""
+              resident_memory: DeviceMemory | None = None, nodes: int = 1,
+              link: Link | None = None) -> list[str]:
+    """The printed plan of `job` on `world` ranks of the machine of `rates` (SlideDP: on each of
+    `nodes` nodes joined by `link`). A mode that keeps the model on the device (single, fsdp2)
+    needs `resident_memory`, its device estimate: the recipes model those modes
+    (recipes/preflight.py's device_memory), not this package."""
     kernels = kernels_for(job.config, rates)
     config = job.config
     if config.parallelism.mode != "slidedp":
@@ -158,7 +170,7 @@ def plan_text(job: Job, rates: Rates, *, world: int,
     runtime = config.slidedp.runtime
     modelled = runtime in get_args(Schedule)
     run = dict(flavor=job.flavor, kernels=kernels, world=world, rates=rates,
-               schedule=runtime if modelled else "slidedp")
+               schedule=runtime if modelled else "slidedp", nodes=nodes, link=link)
     try:
         plan = plan_run(config, job.args, **run)
         step = format_step(plan, rates)
@@ -168,7 +180,7 @@ def plan_text(job: Job, rates: Rates, *, world: int,
     caveat = [] if modelled else [f"step: simulated with SlideDP's own schedule (the model has "
                                   f"none for the {runtime} runtime)"]
     return [f"plan of {describe_run(job, world=world, kernels=kernels)}",
-            f"on {describe_rates(rates)}",
+            f"on {describe_rates(rates)}", *describe_nodes(nodes, link),
             f"activations: {format_blocks(list(plan.policies))}",
             *dtype_note(job, rates), *format_memory(plan, rates), *caveat, *step]
 

@@ -36,6 +36,11 @@ the state is there, delivers from the host). When every unit is updated there, t
 the compute thread's last issue and backward on the GPU, not the host's step end (the norm is
 taken on the GPU).
 
+Over several nodes (slidedp/nodes.py, `StepSpec.nodes`) one node's ranks are simulated, every
+node being alike: after the node's reduce-scatter each rank all-reduces its shard with the same
+local rank of the other nodes, a ring over its NIC (slidedp/plan/link.py), on the return stream
+before the shard goes home; nothing else crosses the nodes (each updates its own replica).
+
 SlideFormer's data parallelism (its published design, docs/DESIGN.md §4 of the brief) is the
 `schedule = "slideformer"` variant: replicated delivery cast from FP32 on the CPU, every rank
 returns its full gradient, rank 0 alone sums and updates with every core, and the ranks meet at
@@ -49,7 +54,8 @@ from typing import Literal
 
 from slidedp.config import MomentsDtype
 from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK
-from slidedp.plan.rates import Rates
+from slidedp.plan.link import Link
+from slidedp.plan.rates import MissingRate, Rates
 from slidedp.plan.simulate import Simulation, subtract, union_length
 from slidedp.plan.workload import MicroBatchWork, chunks
 from slidedp.schedule import Use, plan_micro_batch
@@ -134,6 +140,11 @@ class StepSpec:
     copying its state aside) or "redone" (it clips: the deferred updates, each after restoring
     the copy; the speculative passes themselves, which run while backward does, are not
     counted)."""
+    nodes: int = 1
+    """Nodes of `world` ranks each (replicated host state per node, slidedp/nodes.py); `tokens`
+    counts every node's."""
+    link: Link | None = None
+    """The nodes' network (needed when `nodes` > 1)."""
 
     @property
     def waits_for_norm(self) -> bool:
@@ -197,6 +208,13 @@ class _Builder:
                 spec.schedule, spec.reduction, spec.micro_batches) != ("slidedp", "gpu", 1):
             raise ValueError("updates on the GPU need the slidedp schedule, reduction gpu and "
                              "one micro-batch")
+        if spec.nodes > 1:
+            if spec.link is None:
+                raise MissingRate(f"{spec.nodes} nodes need an inter-node link's rates "
+                                  "(--link NAME: a file of slidedp/plan/rates/links/)")
+            if (spec.schedule, spec.reduction) != ("slidedp", "gpu"):
+                raise ValueError("several nodes need the slidedp schedule and reduction gpu "
+                                 "(slidedp/nodes.py)")
         self.spec, self.rates = spec, rates
         R = spec.world
         caps = {"host_h2d": rates.h2d_together_gbs * 1e9 * R,
@@ -211,6 +229,8 @@ class _Builder:
         if rates.uplink_gbs:
             for j in range(-(-R // rates.gpus_per_uplink)):
                 caps.update({f"up_h2d:{j}": rates.uplink_gbs * 1e9, f"up_d2h:{j}": rates.uplink_gbs * 1e9})
+        if spec.nodes > 1:
+            caps.update({f"nic:{j}": spec.link.nic_bytes_per_s for j in range(spec.link.nics)})
         self.sim = Simulation(caps)
         self.ranks = [_Rank() for _ in range(R)]
         self.step = 0
@@ -251,6 +271,14 @@ class _Builder:
                         work[k] = work.get(k, 0.0) + v
         return self.add(tuple(f"{lane}:{r}" for r in range(R)), fixed=rates.collective_latency_s,
                         work=work, deps=deps, kind=kind)
+
+    def across_nodes(self, r: int, nbytes: float, deps) -> int:
+        """Rank r's all-reduce of its `nbytes` shard with the other nodes, over its NIC."""
+        link = self.spec.link
+        fixed, sent = link.all_reduce_s(nbytes, self.spec.nodes)
+        return self.add(f"rstream:{r}", fixed=fixed,
+                        work={f"nic:{link.nic_of(r, self.spec.world)}": sent}, deps=deps,
+                        kind="inter-node")
 
     def threads_of(self, r: int) -> int:
         """Update threads of rank r: SlideFormer's rank 0 updates with every core."""
@@ -403,6 +431,8 @@ class _Builder:
                                            [*starts, *gpu], lane="rstream", kind="collective")] * R
             else:
                 reduced = [self.add("rstream:0", deps=[starts[0], gpu[0]], kind="issue")]
+            if spec.nodes > 1:
+                reduced = [self.across_nodes(r, 2 * elems // R, [reduced[r]]) for r in range(R)]
             for r in range(R):
                 if self._on_gpu(unit):  # the reduced shard waits on the GPU for its update
                     end, ready = (self._gpu_update(r, unit, [reduced[r]]) if update
@@ -565,10 +595,10 @@ def step_demands(spec: StepSpec, rates: Rates) -> dict[str, float]:
     return _demands(spec, builder.sim, 0)
 
 
-_EXPOSED_ORDER = ("h2d", "collective", "d2h", "cpu update", "cast")
+_EXPOSED_ORDER = ("h2d", "collective", "inter-node", "d2h", "cpu update", "cast")
 _CAPACITIES = {"h2d per GPU": "h2d:0", "d2h per GPU": "d2h:0", "host h2d": "host_h2d",
                "host d2h": "host_d2h", "host memory": "dram", "interconnect": "nvlink",
-               "cpu update": "cpu:0"}
+               "inter-node link": "nic:0", "cpu update": "cpu:0"}
 """The resources reported, by the capacity that stands for them (rank 0's where per rank)."""
 _PER_RANK = {"gpu compute": "gpu", "h2d per GPU": "h2d", "d2h per GPU": "d2h", "cpu update": "cpu"}
 
@@ -583,7 +613,7 @@ def _demands(spec: StepSpec, sim: Simulation, step: int) -> dict[str, float]:
             kind = _PER_RANK[name]
             demand[name] = max(sum(t.work.get(f"{kind}:{r}", 0.0) for t in mine) / caps[f"{kind}:{r}"]
                                for r in range(spec.world))
-        else:
+        elif _CAPACITIES[name] in caps:  # (the link's: only over several nodes)
             cap = _CAPACITIES[name]
             demand[name] = sum(t.work.get(cap, 0.0) for t in mine) / caps[cap]
     return demand
@@ -610,8 +640,9 @@ def _analyse(spec: StepSpec, sim: Simulation, t0: float, t1: float, *, last_step
 
     busy = {"gpu compute": union_length(gpu_busy, t0, t1)}
     for name, cap in _CAPACITIES.items():
-        busy[name] = union_length([(a, b) for a, b, used in sim.intervals if used.get(cap, 0) > 0],
-                                  t0, t1)
+        if cap in sim.capacities:
+            busy[name] = union_length(
+                [(a, b) for a, b, used in sim.intervals if used.get(cap, 0) > 0], t0, t1)
 
     demand = _demands(spec, sim, last_step)
     regime, why, advice = _verdict(spec, step, demand, exposed, device=device)
@@ -669,10 +700,14 @@ _ADVICE = {
          "more sequences per step (the CPU update's 28 B/param are paid once per step)"]),
     "interconnect": lambda s: "replicated delivery (no all-gather)" if s.delivery == "sharded"
                               else "more sequences per step",
+    "inter-node link": lambda s: "more sequences per step (the gradient crosses the nodes once "
+                                 "per step), or a faster link",
 }
 _EXPOSED_ADVICE = {
     "h2d": _routes_advice,
     "collective": lambda s: "replicated delivery (no all-gather on the critical path)",
+    "inter-node": lambda s: "more sequences per step (more backward to hide the cross-node "
+                            "all-reduce behind), or a faster link",
     "d2h": lambda s: "offload less (lower @offload fractions), or reduction = \"gpu\"",
     "cpu update": lambda s: "more sequences per step hide the update behind more backward "
                             "(the last gradients' update, the embedding's, is the tail)",
