@@ -58,14 +58,18 @@ class Delivery:
 
     def deliver(self, unit: Unit, dst: torch.Tensor,
                 on_gpu: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-                ) -> torch.cuda.Event | None:
+                ) -> tuple[torch.cuda.Event | None, torch.Tensor]:
         """Copy `unit` into `dst` (flat bf16, unit.padded elements); returns the event that marks
-        its arrival on the device. `on_gpu`: this rank's shard already on the GPU in BF16 (a
-        resident unit, slidedp/gpu_update.py) and the event it is complete at, copied on the
-        device instead of from the host."""
+        its arrival on the device and the tensor to compute from, `dst`. `on_gpu`: this rank's
+        shard already on the GPU in BF16 (a resident unit, slidedp/gpu_update.py) and the event
+        it is complete at, copied on the device instead of from the host; on one rank, where
+        that shard is the whole unit, nothing is copied: compute reads it where it is, once it is
+        complete (a device copy would move 4 B/param per use for nothing)."""
         lo, hi = (0, unit.padded) if self.route == "replicated" else unit.shard(self.rank, self.world)
+        if on_gpu is not None and self.world == 1:
+            return on_gpu[1], on_gpu[0]
         with self.streams.use(self.stream):
-            if on_gpu is not None:  # one rank, or sharded: the shard is all this rank copies
+            if on_gpu is not None:  # sharded: the shard is all this rank copies
                 source, ready = on_gpu
                 self.streams.wait(ready, self.stream)
                 if self.streams.is_cuda:  # freed by an invalidate, it waits for this copy
@@ -76,7 +80,7 @@ class Delivery:
             if self.route == "sharded" and self.world > 1:
                 all_gather_single(dst[:unit.padded], dst[lo:hi], group=self.group)
                 self.traffic.all_gather += (unit.padded - (hi - lo)) * 2
-            return self.streams.record(self.stream)
+            return self.streams.record(self.stream), dst
 
     def _copy_from_host(self, unit: Unit, dst: torch.Tensor, lo: int, hi: int) -> None:
         """Elements [lo, hi) of `unit` from host memory into `dst`, chunk by chunk, on the

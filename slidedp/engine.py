@@ -213,8 +213,8 @@ class SlideDPBackend:
         with torch.device("meta"):
             self.segments = BlockSegments(self.spec.block_cls(model_args, kernels))
         self.head_loss = self.spec.head_loss(model_args, kernels)
-        self._unit_buffer: dict[int, int] = {}
-        self.weight_refs = WeightRefs(self.buffers, lambda u: self.buffers[self._unit_buffer[u]])
+        self._unit_source: dict[int, torch.Tensor] = {}  # what each unit's compute reads now
+        self.weight_refs = WeightRefs(self.buffers, self._unit_source.__getitem__)
         self.offloader = Offloader(self.streams, self.traffic)
         self._ensure_offload_pool(*self._micro_shape, checked=True)
         lap("routes, window and offload pool")
@@ -355,12 +355,12 @@ class SlideDPBackend:
         self._drain()
         Streams.synchronize(self.streams.record())  # no kernel or copy uses a slot any more
         old = self.cfg.window_slots
-        del self.buffers[:old]  # the same list: WeightRefs resolves through it
+        del self.buffers[:old]  # the same list: the deliveries index it
         self.buffers[:0] = [torch.empty(self.layout.block_padded, dtype=torch.bfloat16,
                                         device=self.device) for _ in range(slots)]
         self.cfg = replace(self.cfg, window_slots=slots)
         # The saved-tensor hooks know the buffers by address: the new ones too.
-        self.weight_refs = WeightRefs(self.buffers, lambda u: self.buffers[self._unit_buffer[u]])
+        self.weight_refs = WeightRefs(self.buffers, self._unit_source.__getitem__)
         self._last_release = {b: None for b in range(len(self.buffers))}
         self._resident = {}
 
@@ -498,8 +498,8 @@ class SlideDPBackend:
 
     # ---- the step -----------------------------------------------------------------------------
 
-    def _leaves(self, unit: Unit, buffer: int, *, grad: bool) -> dict[str, torch.Tensor]:
-        buf = self.buffers[buffer]
+    def _leaves(self, unit: Unit, *, grad: bool) -> dict[str, torch.Tensor]:
+        buf = self._unit_source[unit.index]
         return {p.local_name: buf[p.offset:p.offset + p.numel].view(p.shape).detach().requires_grad_(grad)
                 for p in unit.params}
 
@@ -731,9 +731,13 @@ class SlideDPBackend:
     def _wait_buffer(self, k: int, use: Use) -> None:
         if self._delivered[k] is not None:
             with self._timed("delivery_wait_s"):
-                done = self._delivered[k].result()
+                done, source = self._delivered[k].result()
             self.streams.wait(done)
-        self._unit_buffer[use.unit] = use.buffer
+            if source is not self.buffers[use.buffer]:  # a resident unit's own BF16 copy
+                self.weight_refs.keep(source)
+                if self.streams.is_cuda:  # an invalidate may drop it while compute reads it
+                    source.record_stream(torch.cuda.current_stream(self.device))
+            self._unit_source[use.unit] = source  # an undelivered use's unit is still there
 
     def _micro_batch(self, uses: list[Use], tokens: torch.Tensor, labels: torch.Tensor,
                      rope: tuple[torch.Tensor, torch.Tensor], *, global_tokens: int, micro: int,
@@ -752,7 +756,7 @@ class SlideDPBackend:
                 self.offloader.prefetch(use.prefetch)
             unit = units[use.unit]
             if unit.kind == "embed" and use.phase == "fwd":
-                emb = self._leaves(unit, use.buffer, grad=True)
+                emb = self._leaves(unit, grad=True)
                 h = self.spec.embed(emb, tokens)
                 h0 = get_gradient_edge(h)
                 h = h.detach()
@@ -761,7 +765,7 @@ class SlideDPBackend:
                 self._submit_grad(unit, emb, **grad_kw)
             elif unit.kind == "head":
                 h_in = h.requires_grad_()
-                head = self._leaves(unit, use.buffer, grad=True)
+                head = self._leaves(unit, grad=True)
                 loss = self.head_loss(head, emb, h_in, labels,
                                       chunk_tokens=self.loss_chunk) / global_tokens
                 loss.backward()
@@ -784,7 +788,7 @@ class SlideDPBackend:
                        saved: dict) -> torch.Tensor:
         """The block's forward under its policy; what backward needs goes into `saved`."""
         grad_in: list[torch.Tensor] = []  # the input's gradient, appended by backward
-        leaves = self._leaves(unit, use.buffer, grad=True)
+        leaves = self._leaves(unit, grad=True)
         with (self.offloader.forward_of(unit.index, use.offload) as offload,
               self.weight_refs.during_forward_of(unit.index, offload)):
             out = self.policies[unit.index - 1].forward(self.segments, block_input(h, grad_in),

@@ -4,8 +4,8 @@ The embedding's gradient is the last of backward to be complete (tied, it holds 
 and the next forward needs the embedding first, so its host update is the step's tail: the CPU
 Adam is memory-bound, and a vocabulary of 152K rows makes the embedding the largest unit. The GPU
 does the same AdamW in milliseconds if the state is there. So this rank's shard of the unit's FP32 master and moments (12 B/param)
-is copied to the GPU while the last blocks' backward runs (`prefetch`), updated there by
-torch's fused AdamW (the formula of csrc/cpu_adam.cpp, which follows torch's), and copied home
+is copied to the GPU while the last blocks' backward runs (`prefetch`), updated there in one
+pass from the BF16 gradient (slidedp/gpu_adamw.py: torch's fused AdamW formula), and copied home
 (`update`): the delivery source first (the BF16 shadow, or the FP32 master without one), whose
 arrival opens the unit's version gate, then the rest of the FP32 state, whose arrival
 (`wait_home`) saves and the next step's prefetch wait for. Semantics are those of the host
@@ -32,9 +32,9 @@ from typing import get_args
 
 import torch
 import torch.distributed as dist
-from torch.optim.adamw import adamw
 
 from slidedp.config import EmbeddingUpdate, MomentsDtype, SlideDPConfig
+from slidedp.gpu_adamw import adamw_step
 from slidedp.host_state import SharedHostState
 from slidedp.layout import Unit
 from slidedp.nodes import add_other_nodes_loss
@@ -240,20 +240,18 @@ class GpuUpdate:
                     if t is not None:
                         t.record_stream(self.stream)
             for a, b, param, exp_avg, exp_avg_sq in pieces:
-                # A copy (the gradient is BF16): the kernel divides it by the divisor in place.
-                g = grad[a - self.lo:b - self.lo].float()
-                # The step count as torch keeps it: the kernel adds one before using it.
-                count = torch.full((), float(step - 1), device=param.device)
-                adamw([param], [g], [exp_avg], [exp_avg_sq], [], [count], fused=True,
-                      grad_scale=scale.divisor, found_inf=scale.found_inf, amsgrad=False,
-                      beta1=h.beta1, beta2=h.beta2, lr=lr, weight_decay=h.weight_decay,
-                      eps=h.eps, maximize=False)
-                if self.resident:
-                    self._weights[a - self.lo:b - self.lo].copy_(param)
-                    continue
-                target = self.state.unit_view(source, self.unit.index, a, b)
-                target.copy_(param if source == "master" else param.to(torch.bfloat16),
-                             non_blocking=True)
+                # The BF16 copy the next delivery reads: resident, the unit's own on the GPU;
+                # else the shadow's, copied home below (none for an FP32 master source).
+                out = (self._weights[a - self.lo:b - self.lo] if self.resident else
+                       torch.empty(b - a, dtype=torch.bfloat16, device=param.device)
+                       if source == "shadow" else None)
+                adamw_step(param, exp_avg, exp_avg_sq, grad[a - self.lo:b - self.lo], out=out,
+                           lr=lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay,
+                           eps=h.eps, step=step, divisor=scale.divisor,
+                           found_inf=scale.found_inf)
+                if not self.resident:
+                    self.state.unit_view(source, self.unit.index, a, b).copy_(
+                        param if out is None else out, non_blocking=True)
             source_home = self.streams.record(self.stream)
         if self.resident:
             self._weights_ready, self._ahead = source_home, True

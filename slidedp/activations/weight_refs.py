@@ -5,7 +5,8 @@ backward matmuls (and a replayed region saves them as its inputs). `WeightRefs` 
 while a block runs forward, saved tensors that live in a GPU parameter buffer are stored as
 (unit, offset, size, stride) references and resolved in backward against whichever buffer holds
 that unit then. The weights can leave the window and be re-delivered; the kept activations stay.
-Every other saved tensor goes to the block's offload (slidedp/activations/offload.py) if it has
+Weights read in place (a resident unit's own copy, `keep`) are saved as they are. Every other
+saved tensor goes to the block's offload (slidedp/activations/offload.py) if it has
 one, else it is kept as it is.
 """
 
@@ -30,16 +31,23 @@ class WeightRefs:
 
     def __init__(self, buffers: list[torch.Tensor], resolve: Callable[[int], torch.Tensor]):
         self._ptrs = {b.untyped_storage().data_ptr() for b in buffers}
+        self._kept: set[int] = set()
         self._resolve = resolve
+
+    def keep(self, weights: torch.Tensor) -> None:
+        """Weights computed from outside the buffers (a resident unit's own copy): saved as they
+        are, never offloaded (they stay on the GPU anyway)."""
+        self._kept.add(weights.untyped_storage().data_ptr())
 
     def during_forward_of(self, unit: int, offload: BlockOffload | None = None):
         """Context for one block's forward: weights of `unit` as references, the rest to
         `offload` (None: kept as they are)."""
 
         def pack(t: torch.Tensor):
-            if t.device.type != "meta" and t.untyped_storage().data_ptr() in self._ptrs:
+            ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else None
+            if ptr in self._ptrs:
                 return _WeightRef(unit, t.storage_offset(), t.size(), t.stride())
-            return t if offload is None else offload.pack(t)
+            return t if offload is None or ptr in self._kept else offload.pack(t)
 
         def unpack(x):
             if isinstance(x, _WeightRef):

@@ -80,10 +80,10 @@ reads and writes them once more to copy them aside, a redo to restore them."""
 MOMENTS_8BIT_SAVE = 12
 """Bytes per parameter that 8-bit moments take off it (m and v as 1 byte each, plus a 4-byte
 scale per 128): counted as DRAM traffic, while the pass's time is its own measured rate."""
-GPU_ADAM_BYTES = 40
-"""Device bytes per parameter of an AdamW on the GPU (GpuUpdate.update): the gradient cast to
-FP32 (6), the fused AdamW (read p, g, m, v, write p, m, v: 28), the BF16 copy of the weights
-(6: sent home, or written to the resident copy)."""
+GPU_ADAM_BYTES = 28
+"""Device bytes per parameter of an AdamW on the GPU (GpuUpdate.update, slidedp/gpu_adamw.py's
+one pass): read the BF16 gradient (2) and the FP32 p, m, v (12), write p, m, v (12) and the BF16
+copy of the weights (2: sent home, or the resident copy)."""
 
 
 @dataclass(frozen=True)

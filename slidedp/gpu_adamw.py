@@ -1,0 +1,104 @@
+"""One pass of AdamW over a flat FP32 shard on the GPU, from its BF16 gradient, writing the
+shard's BF16 copy in the same pass (the updates of slidedp/gpu_update.py).
+
+torch's fused AdamW takes the gradient in the parameter's dtype, so a BF16 gradient must first be
+cast to an FP32 temporary (read 2, write 4 B/param) and the BF16 copy that the next delivery
+reads is a second pass (read 4, write 2): 40 B/param of HBM traffic for a 28 B/param update. That
+traffic is GPU time the step cannot hide: with clipping the updates run after the norm, beside
+the next forward. This Triton kernel reads the BF16 gradient and writes the copy in its one pass.
+It computes torch's fused formula (aten's fused_adam_utils.cuh, ADAMW mode) in FP32 with IEEE
+division and square root: the gradient divided by `grad_scale`, nothing written where
+`found_inf` is set, decoupled weight decay, bias corrections from the step count. On the CPU, or
+without Triton, torch's fused AdamW runs, with the cast and the copy around it.
+"""
+
+import math
+
+import torch
+from torch.optim.adamw import adamw
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only torch without it: torch's path serves every update
+    triton = None
+
+BLOCK = 1024
+"""Elements per program: a memory-bound pass, 4 warps of 8 elements a thread."""
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda
+
+
+if triton is not None:
+    @triton.jit
+    def _adamw_kernel(param, exp_avg, exp_avg_sq, grad, out, divisor, found_inf, n,
+                      lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size,
+                      bc2_sqrt, eps, HAS_OUT: tl.constexpr, HAS_DIVISOR: tl.constexpr,
+                      HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        if HAS_FOUND_INF:  # a skipped step writes nothing (torch's fused kernel returns)
+            n = tl.where(tl.load(found_inf) == 0, n, 0)
+        mask = offs < n
+        g = tl.load(grad + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DIVISOR:
+            g = tl.div_rn(g, tl.load(divisor))
+        p = tl.load(param + offs, mask=mask, other=0.0)
+        m = tl.load(exp_avg + offs, mask=mask, other=0.0)
+        v = tl.load(exp_avg_sq + offs, mask=mask, other=0.0)
+        p = p - lr_wd * p
+        m = beta1 * m + one_minus_beta1 * g
+        v = beta2 * v + one_minus_beta2 * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - tl.div_rn(step_size * m, denom)
+        tl.store(param + offs, p, mask=mask)
+        tl.store(exp_avg + offs, m, mask=mask)
+        tl.store(exp_avg_sq + offs, v, mask=mask)
+        if HAS_OUT:
+            tl.store(out + offs, p.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               grad: torch.Tensor, *, out: torch.Tensor | None, lr: float, beta1: float,
+               beta2: float, weight_decay: float, eps: float, step: int,
+               divisor: torch.Tensor | None = None,
+               found_inf: torch.Tensor | None = None) -> None:
+    """AdamW step `step` (from 1) of the flat FP32 `param`, `exp_avg`, `exp_avg_sq` in place, with
+    the BF16 `grad` divided by `divisor` (a device scalar; None: by 1), skipped where `found_inf`
+    (a device scalar) is nonzero; `out` (BF16, or None) receives the new `param` rounded to
+    BF16. Issued on the current stream; `grad` is left unchanged."""
+    n = param.numel()
+    if not all(t.numel() == n for t in (exp_avg, exp_avg_sq, grad)) or (
+            out is not None and out.numel() != n):
+        raise ValueError("adamw_step: param, moments, gradient and out differ in length")
+    if not _use_triton(param):
+        torch_adamw_step(param, exp_avg, exp_avg_sq, grad, out=out, lr=lr, beta1=beta1,
+                         beta2=beta2, weight_decay=weight_decay, eps=eps, step=step,
+                         divisor=divisor, found_inf=found_inf)
+        return
+    bc1 = 1 - beta1 ** step
+    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+        param, exp_avg, exp_avg_sq, grad, out if out is not None else param,
+        divisor if divisor is not None else param, found_inf if found_inf is not None else param,
+        n, lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr / bc1,
+        math.sqrt(1 - beta2 ** step), eps, HAS_OUT=out is not None,
+        HAS_DIVISOR=divisor is not None, HAS_FOUND_INF=found_inf is not None, BLOCK=BLOCK,
+        num_warps=4)
+
+
+def torch_adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     grad: torch.Tensor, *, out: torch.Tensor | None, lr: float, beta1: float,
+                     beta2: float, weight_decay: float, eps: float, step: int,
+                     divisor: torch.Tensor | None = None,
+                     found_inf: torch.Tensor | None = None) -> None:
+    """`adamw_step` by torch's fused AdamW: the gradient cast to an FP32 temporary, the update,
+    then the BF16 copy (the CPU's path, and what recipes/bench/gpu_adam.py times the kernel
+    against)."""
+    g = grad.float()
+    count = torch.full((), float(step - 1), device=param.device)  # the kernel adds one
+    adamw([param], [g], [exp_avg], [exp_avg_sq], [], [count], fused=True,
+          grad_scale=divisor, found_inf=found_inf, amsgrad=False, beta1=beta1, beta2=beta2,
+          lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+    if out is not None:
+        out.copy_(param)
