@@ -23,26 +23,13 @@ import torch.nn.functional as F
 
 from models.kernels import TORCH_KERNELS, AttentionChoice, sdpa_backend_used
 from protocols.model_spec import get_flavor
+from recipes.bench.cuda_timing import cuda_times
 from recipes.bench.rows import emit
 
 BACKENDS = ("cudnn", "flash", "efficient")
 """Measured by default; "auto" (the run's default order) may be asked for too."""
 REFERENCE_BYTES = 32 << 30
 """Largest FP32 score matrix of the math reference (batch x heads x seq^2 x 4 bytes)."""
-
-
-def _time_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def measure(flavor: str, *, seq: int, batch: int, iters: int, warmup: int = 2,
@@ -78,7 +65,8 @@ def measure(flavor: str, *, seq: int, batch: int, iters: int, warmup: int = 2,
             def step():
                 kernels.sdpa(q, k, v).backward(dout)
 
-            row["fwd_bwd_ms"] = _time_ms(step, iters, warmup)
+            times = cuda_times(step, repeats=iters, warmup=warmup)
+            row["fwd_bwd_ms"] = 1e3 * statistics.median(times)
             # Causal attention FLOPs: forward 2 matmuls, backward 5, each half of seq^2 x head_dim.
             flops = 7 * 2 * batch * args.n_heads * seq * seq * args.head_dim / 2
             row["tflops"] = flops / row["fwd_bwd_ms"] / 1e9

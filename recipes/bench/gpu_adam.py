@@ -19,25 +19,11 @@ import sys
 
 import torch
 
+from recipes.bench.cuda_timing import cuda_times
 from slidedp.gpu_adamw import adamw_step, torch_adamw_step
 
 USEFUL_BYTES = 28
 MOVED_BYTES = {"one-pass kernel": 28, "torch fused + cast + copy": 40}
-
-
-def time_calls(fn, *, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` calls of `fn`, after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return times
 
 
 def main(argv: list[str]) -> int:
@@ -59,7 +45,7 @@ def main(argv: list[str]) -> int:
               divisor=divisor, found_inf=found_inf)
     rows = []
     for name, step in (("one-pass kernel", adamw_step), ("torch fused + cast + copy", torch_adamw_step)):
-        times = time_calls(lambda: step(*state, grad, **kw), repeats=a.repeats)
+        times = cuda_times(lambda: step(*state, grad, **kw), repeats=a.repeats)
         median = statistics.median(times)
         rows.append({"what": name, "device": torch.cuda.get_device_name(device), "params": n,
                      "median_s": median, "min_s": min(times),
