@@ -204,7 +204,7 @@ def embedding_cases(**changes):
 
 
 def test_the_embeddings_update_on_the_gpu_removes_the_host_tail():
-    """The host's 0.5 s of AdamW after the embedding's gradient becomes the GPU's (40 B/param at
+    """The host's 0.5 s of AdamW after the embedding's gradient becomes the GPU's (GPU_ADAM_BYTES per parameter at
     4 TB/s); its gradient's 2 B/param home become the BF16 shadow's, so the step is shorter by
     the difference. The CPU loses the embedding's AdamW; the links carry its state: 12 B/param
     to the GPU, 2 + 12 home instead of the gradient's 2."""
@@ -248,8 +248,9 @@ def test_updates_on_the_gpu_need_the_gpu_route_and_one_micro_batch():
 
 def test_resident_state_takes_the_updates_and_the_deliveries_off_the_host():
     """Every unit but the head resident on the GPU, with clipping: the host updates nothing but
-    the head, and no gradient goes home; the deliveries are copies on the GPU (4 B/param of its
-    memory), so the links carry only the head's; the step comes down to the GPU's work."""
+    the head, and no gradient goes home; on one rank the resident units are computed from where
+    they are (no copy), so the links carry only the head's; the step comes down to the GPU's
+    work, plus the updates' (GPU_ADAM_BYTES per parameter of the GPU's memory)."""
     r, s, host, _ = embedding_cases(deferred=True, grad_accum=True)
     resident = simulate_step(replace(s, resident_units=frozenset(range(5))), r)
     assert resident.step_s < host.step_s and resident.regime == "gpu-bound"
@@ -259,7 +260,7 @@ def test_resident_state_takes_the_updates_and_the_deliveries_off_the_host():
         + head / r.grad_sum(s.threads), rel=1e-6)
     assert resident.demand_s["h2d per GPU"] == pytest.approx(2 * head / 20e9)
     assert resident.demand_s["d2h per GPU"] == pytest.approx(2 * head / 20e9)
-    gpu_extra = sum(e * GPU_ADAM_BYTES + 4 * e for e in s.unit_elems[:5]) / 4000e9
+    gpu_extra = sum(e * GPU_ADAM_BYTES for e in s.unit_elems[:5]) / 4000e9
     assert resident.demand_s["gpu compute"] - host.demand_s["gpu compute"] == pytest.approx(
         gpu_extra, rel=1e-6)
 

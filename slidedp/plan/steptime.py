@@ -382,7 +382,8 @@ class _Builder:
                              kind="gate")
             release = rk.release_gpu.get(use.buffer)
             if use.unit in spec.resident_units and self.step > 0:  # from its GPU copy
-                seconds = 4 * size / (self.rates.hbm_gbs * 1e9)  # read and write 2 B/elem
+                # One rank computes from the copy in place; several copy their shard out of it.
+                seconds = 0.0 if R == 1 else 4 * size / (self.rates.hbm_gbs * 1e9)
                 arrival = self.add(f"dstream:{r}", deps=[issue, release],
                                    work={f"gpu:{r}": seconds}, kind="d2d")
                 out.append((issue, arrival))
