@@ -204,8 +204,8 @@ def embedding_cases(**changes):
 
 
 def test_the_embeddings_update_on_the_gpu_removes_the_host_tail():
-    """The host's 0.5 s of AdamW after the embedding's gradient becomes the GPU's (GPU_ADAM_BYTES per parameter at
-    4 TB/s); its gradient's 2 B/param home become the BF16 shadow's, so the step is shorter by
+    """The host's 0.5 s of AdamW after the embedding's gradient becomes the GPU's
+    (GPU_ADAM_BYTES per parameter at 4 TB/s); its gradient's 2 B/param home become the BF16 shadow's, so the step is shorter by
     the difference. The CPU loses the embedding's AdamW; the links carry its state: 12 B/param
     to the GPU, 2 + 12 home instead of the gradient's 2."""
     r, s, host, gpu = embedding_cases()
