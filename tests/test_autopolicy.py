@@ -246,3 +246,37 @@ def test_autopolicy_on_two_ranks_then_its_policy_file_trains_alike(tmp_path):
                           nproc=2, env=env)
     assert "[autopolicy]" not in loaded.stdout + loaded.stderr
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_the_search_weighs_optimizer_state_on_the_gpu():
+    """Qwen3-4B at one sequence on the H200's rates, host-bound by the clipped CPU update: the
+    search's options place the embedding's and a quarter, half, three quarters or all of the
+    blocks' optimizer state on the GPU, each placement the simulation makes faster, and the
+    program takes one that keeps state there; with accumulation no GPU update can run, so only
+    the configuration's own placement remains."""
+    from slidedp.plan.search import Setting, resident_levels, runs
+    config = parse_config(["--job.config_file=train_configs/h200_qwen3_4b_slidedp.toml",
+                           "--training.local_batch_size=1", "--slidedp.activation=recompute",
+                           "--slidedp.keep_blocks=0", "--slidedp.embedding_update=host"])
+    flavor, args = resolve_model(config)
+    rates = load_rates("h200")
+    model = Model(config, args, flavor, kernels_for(config, rates), 1, rates)
+    L, base = args.n_layers, setting_of(config)
+    levels = resident_levels(config, L)
+    assert levels == [(0, "host"), (0, "resident"), (L // 4, "resident"), (L // 2, "resident"),
+                      (3 * L // 4, "resident"), (L, "resident")]
+    settings = [Setting(**{**base.__dict__, "gpu_state_blocks": b, "embedding_update": e})
+                for b, e in levels]
+    assert all(runs(s, config, L, world=1) for s in settings)
+    steps = [model.step_s(s, [RECOMPUTE] * L) for s in settings]
+    assert all(a > b for a, b in zip(steps, steps[1:])), steps
+    options, choices, rebuild = build_program(model, settings, [RECOMPUTE])
+    gpu_budget, host_budget = budgets(model)
+    found = solve(options, choices, blocks=L, ranks=1, gpu_budget=gpu_budget,
+                  host_budget=host_budget, rebuild_bytes=rebuild)
+    assert found.option.settings["gpu_state_blocks"] > 0, found.option.name
+    assert found.option.settings["embedding_update"] == "resident"
+    accumulated = replace(config, training=replace(config.training, grad_accum_steps=2))
+    assert [lv for lv in resident_levels(accumulated, L)
+            if runs(Setting(**{**base.__dict__, "gpu_state_blocks": lv[0],
+                               "embedding_update": lv[1]}), accumulated, L, world=1)] == [(0, "host")]

@@ -99,7 +99,8 @@ def test_policy_file_round_trip(tmp_path):
     n = 4
     policies = [parse_policy(p) for p in ("keep", "selective@offload=0.5", "recompute", "recompute")]
     settings = policy_settings(delivery="replicated", reduction="gpu", window_slots=4, chunk_mib=8,
-                               bf16_shadow=False, policies=policies)
+                               bf16_shadow=False, gpu_state_blocks=2, embedding_update="resident",
+                               policies=policies)
     path = tmp_path / "policy.toml"
     write_policy_file(path, settings, comments=["a test"])
     config = parse_config(["--job.config_file=train_configs/debug_cpu.toml",
@@ -107,6 +108,7 @@ def test_policy_file_round_trip(tmp_path):
                            f"--slidedp.policy_file={path}"])
     s = config.slidedp
     assert (s.delivery, s.window_slots, s.chunk_mib, s.bf16_shadow) == ("replicated", 4, 8.0, False)
+    assert (s.gpu_state_blocks, s.embedding_update) == (2, "resident")
     assert block_policies(n, default=s.activation, blocks=s.activation_blocks,
                           keep_blocks=s.keep_blocks) == policies
 

@@ -13,8 +13,8 @@ from slidedp.activations import ActivationPolicy, format_blocks, parse_policy
 POLICY_FILE_NAME = "slidedp_policy.toml"
 """What AutoPolicy writes into job.dump_folder."""
 
-KEYS = ("delivery", "reduction", "window_slots", "chunk_mib", "bf16_shadow", "activation",
-        "activation_blocks", "keep_blocks")
+KEYS = ("delivery", "reduction", "window_slots", "chunk_mib", "bf16_shadow", "gpu_state_blocks",
+        "embedding_update", "activation", "activation_blocks", "keep_blocks")
 """The [slidedp] keys a policy file sets."""
 
 
@@ -27,10 +27,12 @@ def activation_keys(policies: list[ActivationPolicy]) -> dict:
 
 
 def policy_settings(*, delivery: str, reduction: str, window_slots: int, chunk_mib: float,
-                    bf16_shadow: bool, policies: list[ActivationPolicy]) -> dict:
+                    bf16_shadow: bool, gpu_state_blocks: int, embedding_update: str,
+                    policies: list[ActivationPolicy]) -> dict:
     """The [slidedp] keys for a choice."""
     return {"delivery": delivery, "reduction": reduction, "window_slots": window_slots,
             "chunk_mib": float(chunk_mib), "bf16_shadow": bf16_shadow,
+            "gpu_state_blocks": gpu_state_blocks, "embedding_update": embedding_update,
             **activation_keys(policies)}
 
 

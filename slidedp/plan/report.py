@@ -18,7 +18,7 @@ from slidedp.plan.policy_file import policy_settings, write_policy_file
 from slidedp.plan.predict import RunPlan, compute_dtype, plan_run, policies_of
 from slidedp.plan.rates import MissingRate, Rates
 from slidedp.plan.search import (Model, Setting, assign, budgets, build_program, candidates_of,
-                                  screen, setting_of)
+                                  resident_levels, runs, screen, setting_of)
 from slidedp.plan.steptime import Schedule
 from slidedp.plan.workload import Workload
 
@@ -214,13 +214,13 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
     config, args = job.config, job.args
     model = Model(config, args, job.flavor, kernels_for(config, rates), world, rates)
     base = setting_of(config)
-    # The embedding's update on the GPU needs the gpu route.
-    reductions = ("gpu",) if config.slidedp.embedding_update == "gpu" else ("gpu", "cpu")
-    routes = ([(d, r) for d in ("sharded", "replicated") for r in reductions] if world > 1
+    routes = ([(d, r) for d in ("sharded", "replicated") for r in ("gpu", "cpu")] if world > 1
               else [(base.delivery, "gpu")])
     slots = sorted({2, 3, 4, 6, base.window_slots})
-    settings = [Setting(d, r, n, base.chunk_mib, shadow)
-                for (d, r), n, shadow in itertools.product(routes, slots, (True, False))]
+    settings = [s for (d, r), n, shadow, (blocks, embedding) in itertools.product(
+                    routes, slots, (True, False), resident_levels(config, args.n_layers))
+                if runs(s := Setting(d, r, n, base.chunk_mib, shadow, blocks, embedding),
+                        config, args.n_layers, world=world)]
     candidates = screen(model, [*candidates_of(config), *policies_of(config, args)])
     options, choices, rebuild = build_program(model, settings, candidates)
     gpu_budget, host_budget = budgets(model)
@@ -233,10 +233,15 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
     best = Setting(**found.option.settings)
     chunks = sorted({8.0, 32.0, 128.0, base.chunk_mib})
     best = min((replace(best, chunk_mib=c) for c in chunks), key=lambda s: model.step_s(s, policies))
+    now = model.step_s(base, policies_of(config, args))
+    # The program adds demands up; the simulation, which overlaps them, has the last word: a
+    # choice it puts behind the configuration searched from is not taken.
+    kept = model.step_s(best, policies) > now
+    if kept:
+        best, policies = base, policies_of(config, args)
     chosen = best.apply(config)
     plan = plan_run(chosen, args, flavor=job.flavor, kernels=model.kernels, world=world,
                     rates=rates, policies=policies)
-    now = model.step_s(base, policies_of(config, args))
     settings_out = policy_settings(**{k: v for k, v in best.__dict__.items()}, policies=policies)
     write_policy_file(out, settings_out, comments=[
         f"chosen by `python -m recipes.plan --search` from the step-time model alone, on "
@@ -245,7 +250,9 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
         f"searched from; not measured (AutoPolicy live measures: slidedp.autopolicy = true)"])
     return ["search (the model alone, nothing measured):",
             f"  screened {len(candidates)} candidate policies, {len(options)} options "
-            f"(routes x slots x shadow), then the chunk",
+            f"(routes x slots x shadow x optimizer placement), then the chunk",
+            *(["  the program's choice simulates slower than the configuration searched from, "
+               "which stays the choice"] if kept else []),
             f"  choice: {best.describe()}; activations {format_blocks(policies)}",
             f"  predicted {plan.step.step_s:.3f} s per step ({plan.step.tokens_per_s:,.0f} tokens/s) "
             f"against {now:.3f} s now; {plan.step.regime}: {plan.step.why}",

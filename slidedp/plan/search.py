@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from protocols.model_spec import ModelArgs
 from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policies, parse_policy
+from slidedp.gpu_update import check_gpu_updates
 from slidedp.host_state import host_state_bytes
 from slidedp.layout import StateLayout
 from slidedp.plan.ilp import Assignment, Choice, Option
@@ -59,20 +60,53 @@ class Setting:
     window_slots: int
     chunk_mib: float
     bf16_shadow: bool
+    gpu_state_blocks: int = 0
+    """Blocks whose optimizer state stays on the GPU (slidedp/gpu_update.py)."""
+    embedding_update: str = "host"
+    """Where the embedding's AdamW runs (slidedp.embedding_update)."""
 
     def apply(self, config):
         return with_slidedp(config, delivery=self.delivery, reduction=self.reduction,
                             window_slots=self.window_slots, chunk_mib=self.chunk_mib,
-                            bf16_shadow=self.bf16_shadow)
+                            bf16_shadow=self.bf16_shadow, gpu_state_blocks=self.gpu_state_blocks,
+                            embedding_update=self.embedding_update)
 
     def describe(self) -> str:
+        resident = (f", optimizer state of {self.gpu_state_blocks} blocks on the GPU"
+                    if self.gpu_state_blocks else "")
         return (f"{self.delivery}/{self.reduction}, {self.window_slots} slots, chunk "
-                f"{self.chunk_mib:g} MiB, {'bf16 shadow' if self.bf16_shadow else 'no shadow'}")
+                f"{self.chunk_mib:g} MiB, {'bf16 shadow' if self.bf16_shadow else 'no shadow'}, "
+                f"embedding update {self.embedding_update}{resident}")
 
 
 def setting_of(config) -> Setting:
     s = config.slidedp
-    return Setting(s.delivery, s.reduction, s.window_slots, s.chunk_mib, s.bf16_shadow)
+    return Setting(s.delivery, s.reduction, s.window_slots, s.chunk_mib, s.bf16_shadow,
+                   s.gpu_state_blocks, s.embedding_update)
+
+
+def resident_levels(config, n_layers: int) -> list[tuple[int, str]]:
+    """The optimizer placements the search weighs, as (gpu_state_blocks, embedding_update): the
+    configuration's, and the embedding with none, a quarter, half, three quarters or all of the
+    blocks resident on the GPU; the program trades their 14 B/param of GPU memory against kept
+    activations (`runs` drops those the run cannot update on the GPU)."""
+    s = config.slidedp
+    levels = [(s.gpu_state_blocks, s.embedding_update)]
+    for blocks in (0, n_layers // 4, n_layers // 2, 3 * n_layers // 4, n_layers):
+        if (blocks, "resident") not in levels:
+            levels.append((blocks, "resident"))
+    return levels
+
+
+def runs(setting: Setting, config, n_layers: int, *, world: int) -> bool:
+    """Whether the run can take `setting` (its GPU updates' conditions: slidedp/gpu_update.py)."""
+    try:
+        check_gpu_updates(setting.apply(config).slidedp,
+                          grad_accum_steps=config.training.grad_accum_steps,
+                          n_layers=n_layers, world=world)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
