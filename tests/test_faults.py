@@ -297,10 +297,13 @@ def _interrupt(tmp_path: Path, ngpu: int, *flags: str) -> tuple[int, list[str], 
     than rank 0's log, and the steps logged before the Ctrl-C."""
     out, log = tmp_path / "run", tmp_path / "log.txt"
     with open(log, "w") as f:
+        # As a terminal starts it: with SIGINT's default action even where this suite runs as a
+        # background job of a script (which starts with SIGINT ignored, and so its children).
         proc = subprocess.Popen(["./run_train.sh", *_train_flags(out, "--training.steps=100000",
                                                                  *flags)],
                                 cwd=REPO, env=_isolated_env(tmp_path, ngpu), stdout=f, stderr=f,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for_steps(out, 1, [proc], log)
         logged = len((out / "metrics.jsonl").read_text().splitlines())
