@@ -7,9 +7,9 @@ reads is a second pass (read 4, write 2): 40 B/param of HBM traffic for a 28 B/p
 traffic is GPU time the step cannot hide: with clipping the updates run after the norm, beside
 the next forward. This Triton kernel reads the BF16 gradient and writes the copy in its one pass.
 It computes torch's fused formula (aten's fused_adam_utils.cuh, ADAMW mode) in FP32 with IEEE
-division and square root: the gradient divided by `grad_scale`, nothing written where
-`found_inf` is set, decoupled weight decay, bias corrections from the step count. On the CPU, or
-without Triton, torch's fused AdamW runs, with the cast and the copy around it.
+division and square root: the gradient divided by `divisor` (torch's grad_scale), nothing
+written where `found_inf` is set, decoupled weight decay, bias corrections from the step count.
+On the CPU, or without Triton, torch's fused AdamW runs, with the cast and the copy around it.
 """
 
 import math
