@@ -65,9 +65,9 @@ class Delivery:
         it is complete at, copied on the device instead of from the host; on one rank, where
         that shard is the whole unit, nothing is copied: compute reads it where it is, once it is
         complete (a device copy would move 4 B/param per use for nothing)."""
-        lo, hi = (0, unit.padded) if self.route == "replicated" else unit.shard(self.rank, self.world)
         if on_gpu is not None and self.world == 1:
             return on_gpu[1], on_gpu[0]
+        lo, hi = (0, unit.padded) if self.route == "replicated" else unit.shard(self.rank, self.world)
         with self.streams.use(self.stream):
             if on_gpu is not None:  # sharded: the shard is all this rank copies
                 source, ready = on_gpu

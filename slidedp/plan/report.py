@@ -230,15 +230,17 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
         return [f"search: no configuration fits the {rates.machine.device_word} and host memory "
                 "budgets"]
     policies = assign(found, args.n_layers)
-    best = Setting(**found.option.settings)
     chunks = sorted({8.0, 32.0, 128.0, base.chunk_mib})
-    best = min((replace(best, chunk_mib=c) for c in chunks), key=lambda s: model.step_s(s, policies))
-    now = model.step_s(base, policies_of(config, args))
+    step_s, best = min(((model.step_s(s, policies), s) for s in (
+        replace(Setting(**found.option.settings), chunk_mib=c) for c in chunks)),
+        key=lambda scored: scored[0])
+    current = policies_of(config, args)
+    now = model.step_s(base, current)
     # The program adds demands up; the simulation, which overlaps them, has the last word: a
     # choice it puts behind the configuration searched from is not taken.
-    kept = model.step_s(best, policies) > now
+    kept = step_s > now
     if kept:
-        best, policies = base, policies_of(config, args)
+        best, policies = base, current
     chosen = best.apply(config)
     plan = plan_run(chosen, args, flavor=job.flavor, kernels=model.kernels, world=world,
                     rates=rates, policies=policies)

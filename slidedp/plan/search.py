@@ -60,9 +60,9 @@ class Setting:
     window_slots: int
     chunk_mib: float
     bf16_shadow: bool
-    gpu_state_blocks: int = 0
+    gpu_state_blocks: int
     """Blocks whose optimizer state stays on the GPU (slidedp/gpu_update.py)."""
-    embedding_update: str = "host"
+    embedding_update: str
     """Where the embedding's AdamW runs (slidedp.embedding_update)."""
 
     def apply(self, config):
