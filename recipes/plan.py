@@ -28,6 +28,7 @@ import torch.distributed as dist
 from models.kernels import resolve_kernels
 from recipes.config import ConfigError, parse_config, resolve_model
 from recipes.preflight import device_memory
+from slidedp.nodes import check_nodes_reduction
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.link import Link, load_link
 from slidedp.plan.predict import compute_dtype, policies_of
@@ -92,10 +93,11 @@ def link_for(job: Job, *, nodes: int, link: str) -> Link | None:
     if config.parallelism.mode != "slidedp":
         raise PlanError(f"--nnodes {nodes}: the planner models SlideDP over several nodes, not "
                         f"mode {config.parallelism.mode!r}")
-    reduction = RUNTIME_STYLES[config.slidedp.runtime].configure(config.slidedp).reduction
-    if reduction != "gpu":
-        raise PlanError(f'--nnodes {nodes}: several nodes reduce with slidedp.reduction = "gpu", '
-                        f"not {reduction!r} (slidedp/nodes.py)")
+    try:
+        check_nodes_reduction(
+            nodes, RUNTIME_STYLES[config.slidedp.runtime].configure(config.slidedp).reduction)
+    except ValueError as e:
+        raise PlanError(f"--nnodes {nodes}: {e}") from None
     name = link or config.plan.link
     if not name:
         raise PlanError(f"--nnodes {nodes} needs the nodes' link: --link NAME (a file of "

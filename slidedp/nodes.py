@@ -104,10 +104,15 @@ class Nodes:
                                        "ranks per node and configuration")
 
     def check_reduction(self, reduction: str) -> None:
-        """Across nodes the shards reduce on the GPUs (the hierarchical all-reduce)."""
-        if self.nnodes > 1 and reduction != "gpu":
-            raise ValueError(f'SlideDP on {self.nnodes} nodes reduces with slidedp.reduction = '
-                             f'"gpu", not {reduction!r} (the runtime styles that set it too)')
+        check_nodes_reduction(self.nnodes, reduction)
+
+
+def check_nodes_reduction(nnodes: int, reduction: str) -> None:
+    """Across nodes the shards reduce on the GPUs (the hierarchical all-reduce): the runtime's
+    rule, and the planner's for a plan over several nodes."""
+    if nnodes > 1 and reduction != "gpu":
+        raise ValueError(f'SlideDP on {nnodes} nodes reduces with slidedp.reduction = '
+                         f'"gpu", not {reduction!r} (the runtime styles that set it too)')
 
 
 def add_other_nodes_loss(totals: torch.Tensor, cross: dist.ProcessGroup | None) -> None:

@@ -103,7 +103,7 @@ def test_the_plan_over_two_nodes_is_labelled_predicted(capsys, tmp_path):
     (["--nnodes=2", "--link=ib400x8", "--parallelism.mode=fsdp2"],
      "the planner models SlideDP over several nodes, not mode 'fsdp2'"),
     (["--nnodes=2", "--link=ib400x8", "--slidedp.reduction=cpu"],
-     'several nodes reduce with slidedp.reduction = "gpu"'),
+     '--nnodes 2: SlideDP on 2 nodes reduces with slidedp.reduction = "gpu", not \'cpu\''),
 ])
 def test_a_plan_over_nodes_refuses_in_one_line(extra, message, capsys, tmp_path):
     flags = [CONFIG, "--rates=h200x8", "--ngpu=8", "--parallelism.mode=slidedp",
