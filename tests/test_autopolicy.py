@@ -257,7 +257,8 @@ def test_the_search_weighs_optimizer_state_on_the_gpu():
     from slidedp.plan.search import Setting, resident_levels, runs
     config = parse_config(["--job.config_file=train_configs/h200_qwen3_4b_slidedp.toml",
                            "--training.local_batch_size=1", "--slidedp.activation=recompute",
-                           "--slidedp.keep_blocks=0", "--slidedp.embedding_update=host"])
+                           "--slidedp.keep_blocks=0", "--slidedp.embedding_update=host",
+                           "--slidedp.gpu_state_blocks=0", "--slidedp.update_order=arrival"])
     flavor, args = resolve_model(config)
     rates = load_rates("h200")
     model = Model(config, args, flavor, kernels_for(config, rates), 1, rates)

@@ -82,9 +82,9 @@ def _lockstep(flavor: str, layers: int, *, max_norm: float, where: str, steps: i
 
 
 # Real width, more blocks than the prefetch point, an embedding of several GPU chunks: Qwen3
-# tied (1.7B, all 28 blocks) and Qwen2.5 untied with QKV bias (7B's width, 6 blocks). The
-# 8 x 4096 micro-batches are the shipped 4B config's: kernels that large keep the compute stream
-# far behind its host thread, which is when the prefetch's reuse of freed memory raced them
+# tied (1.7B, all 28 blocks) and Qwen2.5 untied with QKV bias (7B's width, 6 blocks). At
+# 8 x 4096 micro-batches the kernels are large enough to keep the compute stream far behind its
+# host thread, which is when the prefetch's reuse of freed memory raced them
 # (issue 25: NaN gradients from the first step).
 @pytest.mark.parametrize("flavor,layers,batch,seq", [
     ("qwen3-1.7B", 28, 2, 1024), ("qwen3-4B", 8, 8, 4096), ("qwen2.5-7B", 6, 8, 4096)],

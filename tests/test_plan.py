@@ -222,7 +222,8 @@ def test_a_plan_counts_the_policies_it_is_given():
     """plan_run's `policies` (AutoPolicy's, --search's) replace the configuration's in the memory
     estimate as in the simulated step, not only in the latter."""
     job = job_of("--job.config_file=train_configs/h200_qwen3_4b_slidedp.toml",
-                 "--slidedp.keep_blocks=0")
+                 "--slidedp.activation=selective", "--training.local_batch_size=16",
+                 "--slidedp.gpu_state_blocks=0", "--slidedp.embedding_update=host")
     kw = dict(flavor=job.flavor, kernels="liger", world=1, rates=load_rates("h200"))
     configured = plan_run(job.config, job.args, **kw)
     kept = plan_run(job.config, job.args, policies=[KEEP] * job.args.n_layers, **kw)
