@@ -18,15 +18,16 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 import torch
 
-from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
+from models.kernels import KernelsUnavailable, resolve_kernels
 from models.rope import RopeScaling
 from protocols.bounds import (UNSET_OR_AT_LEAST_1, Checked, FieldError, above, at_least, base_type,
                              field_error, field_types, within)
 from protocols.model_spec import ModelArgs, all_flavors
-from recipes.baselines.activation_checkpoint import ACMode
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
 from slidedp.activations import block_policies
 from slidedp.config import SlideDPConfig
+from slidedp.run_config import (ACMode, Optimizer, ParallelMode, RunConfig, RunModel,
+                                RunTraining)
 from slidedp.plan.policy_file import parse_candidates
 
 if sys.version_info >= (3, 11):
@@ -53,19 +54,12 @@ class Job(Checked):
 
 
 @dataclass
-class Model(Checked):
+class Model(RunModel):
     flavor: str = ""
     """Flavor of a registered model (models/<name>/, e.g. qwen3-8B); empty: hf_dir's, else
     qwen3-debug."""
-    hf_dir: str = ""
-    """Hugging Face model directory (config.json + safetensors) to fine-tune; empty: random init."""
     tokenizer_dir: str = ""
     """Directory with tokenizer.json; empty: hf_dir."""
-    kernels: KernelChoice = "auto"
-    """Norm/RoPE/SwiGLU/loss kernels: "liger" (fused Triton, CUDA), "torch" (eager), "auto"
-    (liger on CUDA when installed, else torch)."""
-    attention: AttentionChoice = "auto"
-    """SDPA backend on CUDA: "auto" (cuDNN, then flash, efficient, math), or only that one."""
     rope_scaling_type: Literal["model", "none", "linear", "dynamic", "yarn"] = "model"
     """RoPE scaling for long context: "model" (hf_dir's config.json rope_scaling; a flavor has
     none), "none", or that type (as transformers defines it)."""
@@ -77,49 +71,17 @@ class Model(Checked):
 
 
 @dataclass
-class Training(Checked):
+class Training(RunTraining):
     steps: Annotated[int, at_least(1)] = 100
     """Optimizer steps to run."""
-    seq_len: Annotated[int, at_least(1)] = 128
-    """Tokens per sample (documents are packed)."""
-    local_batch_size: Annotated[int, at_least(1)] = 8
-    """Samples per micro-batch on each rank."""
-    grad_accum_steps: Annotated[int, at_least(1)] = 1
-    """Micro-batches accumulated per optimizer step."""
-    max_norm: Annotated[float, at_least(0)] = 1.0
-    """Global gradient-norm clipping threshold; 0 = off (the norm is still reported)."""
-    seed: Annotated[int, at_least(0)] = 0
-    """Seed for weight init and data order."""
     dataset: Literal["files", "synthetic"] = "synthetic"
     """"files": tokenize dataset_path; "synthetic": uniform random tokens (throughput runs)."""
     dataset_path: str = ""
     """Comma-separated data files or directories (.jsonl, .json, .txt, .parquet)."""
-    loss_chunk_tokens: Annotated[int, at_least(1)] = 4096
-    """Tokens per chunk of the output head + cross-entropy (bounds the logits' memory)."""
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    """Compute dtype of single and fsdp2 (slidedp and deepspeed compute in BF16); master weights
-    and optimizer state are always FP32."""
     init_on_meta: bool = False
     """Create weights on the meta device, init them in place after sharding (fast; fsdp2)."""
-    nonfinite: Literal["stop_consecutive", "stop_total", "skip", "off"] = "stop_consecutive"
-    """A step with a NaN/Inf loss or gradient norm skips its update (see docs/USAGE.md, Failures); "skip": go on,
-    "stop_*": stop after max_nonfinite_steps such steps in a row / in total; "off": no check."""
     max_nonfinite_steps: Annotated[int, at_least(1)] = 3
     """Skipped steps (in a row, or in total since the start) that stop the run."""
-
-
-@dataclass
-class Optimizer(Checked):
-    lr: Annotated[float, above(0)] = 1e-5
-    """Peak learning rate of AdamW."""
-    beta1: Annotated[float, within(0, 1, high_open=True)] = 0.9
-    """AdamW first-moment decay."""
-    beta2: Annotated[float, within(0, 1, high_open=True)] = 0.95
-    """AdamW second-moment decay."""
-    eps: Annotated[float, above(0)] = 1e-8
-    """AdamW denominator epsilon."""
-    weight_decay: Annotated[float, at_least(0)] = 0.1
-    """Decoupled weight decay, applied to every parameter."""
 
 
 @dataclass
@@ -134,7 +96,7 @@ class LRScheduler(Checked):
 
 @dataclass
 class Parallelism(Checked):
-    mode: Literal["single", "fsdp2", "deepspeed", "slidedp"] = "single"
+    mode: ParallelMode = "single"
     """single: one device; fsdp2: torch FSDP2 on the GPUs; deepspeed: DeepSpeed ZeRO-Offload
     (the [deepspeed] section); slidedp: host-resident, streamed."""
     fsdp_cpu_offload: bool = False
@@ -295,6 +257,20 @@ def resolve_model(config: JobConfig) -> tuple[str, ModelArgs]:
         raise ConfigError(f"model.flavor = {flavor!r} contradicts model.hf_dir {hf_dir}, whose "
                           f"config.json is {inferred or 'a custom architecture'}")
     return inferred or f"custom ({Path(hf_dir).name})", _with_rope_scaling(config.model, args)
+
+
+def run_config(config: JobConfig) -> RunConfig:
+    """What slidedp/ reads of `config`, built once per run."""
+    return RunConfig(mode=config.parallelism.mode,
+                     activation_checkpoint=config.activation_checkpoint.mode,
+                     model=_narrowed(RunModel, config.model),
+                     training=_narrowed(RunTraining, config.training), optimizer=config.optimizer,
+                     slidedp=config.slidedp)
+
+
+def _narrowed(cls: type, section: Any) -> Any:
+    """`section`'s values of the fields of `cls`, one of its bases."""
+    return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
 
 def _check_paths(config: JobConfig) -> None:

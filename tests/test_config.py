@@ -11,8 +11,10 @@ import pytest
 from models.hf_checkpoint import save_hf_checkpoint
 from protocols.model_spec import get_flavor
 from protocols.bounds import FieldError
-from recipes.config import ConfigError, JobConfig, Optimizer, Training, parse_config, resolve_model
+from recipes.config import (ConfigError, JobConfig, Optimizer, Training, parse_config,
+                            resolve_model, run_config)
 from slidedp.config import SlideDPConfig
+from slidedp.run_config import RunConfig, RunModel, RunTraining
 from recipes.lr_schedule import LRSchedule
 from recipes.model import build_model
 from tests.conftest import REPO, subprocess_env
@@ -226,6 +228,19 @@ def test_sections_check_themselves_when_built_in_code():
     with pytest.raises(FieldError, match="^lr must be finite"):
         Optimizer(lr=float("inf"))
     assert isinstance(Optimizer(lr=1).lr, float)
+
+
+def test_run_config_is_what_slidedp_reads_of_the_job():
+    config = parse_config(["--parallelism.mode=slidedp", "--activation_checkpoint.mode=full",
+                           "--training.seq_len=64", "--training.steps=3", "--optimizer.lr=0.5",
+                           "--model.kernels=torch", "--slidedp.window_slots=4"])
+    run = run_config(config)
+    assert (run.mode, run.activation_checkpoint) == ("slidedp", "full")
+    assert type(run.model) is RunModel and type(run.training) is RunTraining
+    assert run.model == RunModel(kernels="torch")
+    assert run.training == RunTraining(seq_len=64)  # training.steps is the recipes' own
+    assert run.optimizer.lr == 0.5 and run.slidedp.window_slots == 4
+    assert run_config(JobConfig()) == RunConfig(mode="single")
 
 
 @pytest.mark.parametrize("decay_type, expected", [
