@@ -1,30 +1,33 @@
 """The job configuration: dataclass sections, parsed from TOML plus `--section.key=value` flags.
 
-Precedence is CLI > TOML > defaults (torchtitan's ConfigManager with tyro). Every mistake a user
-can make in a config (unknown key, wrong type, bad choice, missing file) is reported as one
-`ConfigError` line naming the key, before any work starts.
+Precedence is CLI > TOML > defaults, as torchtitan's ConfigManager has it; tyro parses the flags.
+Each section holds its fields to their types, choices and bounds itself (protocols/bounds.py);
+every mistake a user can make in a config (unknown key, wrong type, bad choice, a number out of
+bounds, missing file) is reported as one `ConfigError` line naming the key, before any work
+starts.
 """
 
 import dataclasses
-import importlib.util
-import math
 import sys
-import types
-from collections.abc import Iterable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import torch
 
-from models.kernels import AttentionChoice, KernelChoice, KernelsUnavailable, resolve_kernels
+from models.kernels import KernelsUnavailable, resolve_kernels
 from models.rope import RopeScaling
-from protocols.bounds import UNSET_OR_AT_LEAST_1, above, at_least, bound_error, within
+from protocols.bounds import (UNSET_OR_AT_LEAST_1, Checked, FieldError, above, at_least, base_type,
+                             field_error, field_types, within)
 from protocols.model_spec import ModelArgs, all_flavors
-from recipes.baselines.activation_checkpoint import ACMode
 from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint
 from slidedp.activations import block_policies
 from slidedp.config import SlideDPConfig
+from slidedp.run_config import (ACMode, Optimizer, ParallelMode, RunConfig, RunModel,
+                                RunTraining)
 from slidedp.plan.policy_file import parse_candidates
 
 if sys.version_info >= (3, 11):
@@ -38,7 +41,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class Job:
+class Job(Checked):
     config_file: str | None = None
     """TOML file with this run's settings; command-line flags override it."""
     dump_folder: str = "./outputs"
@@ -51,19 +54,12 @@ class Job:
 
 
 @dataclass
-class Model:
+class Model(RunModel):
     flavor: str = ""
     """Flavor of a registered model (models/<name>/, e.g. qwen3-8B); empty: hf_dir's, else
     qwen3-debug."""
-    hf_dir: str = ""
-    """Hugging Face model directory (config.json + safetensors) to fine-tune; empty: random init."""
     tokenizer_dir: str = ""
     """Directory with tokenizer.json; empty: hf_dir."""
-    kernels: KernelChoice = "auto"
-    """Norm/RoPE/SwiGLU/loss kernels: "liger" (fused Triton, CUDA), "torch" (eager), "auto"
-    (liger on CUDA when installed, else torch)."""
-    attention: AttentionChoice = "auto"
-    """SDPA backend on CUDA: "auto" (cuDNN, then flash, efficient, math), or only that one."""
     rope_scaling_type: Literal["model", "none", "linear", "dynamic", "yarn"] = "model"
     """RoPE scaling for long context: "model" (hf_dir's config.json rope_scaling; a flavor has
     none), "none", or that type (as transformers defines it)."""
@@ -75,53 +71,21 @@ class Model:
 
 
 @dataclass
-class Training:
+class Training(RunTraining):
     steps: Annotated[int, at_least(1)] = 100
     """Optimizer steps to run."""
-    seq_len: Annotated[int, at_least(1)] = 128
-    """Tokens per sample (documents are packed)."""
-    local_batch_size: Annotated[int, at_least(1)] = 8
-    """Samples per micro-batch on each rank."""
-    grad_accum_steps: Annotated[int, at_least(1)] = 1
-    """Micro-batches accumulated per optimizer step."""
-    max_norm: Annotated[float, at_least(0)] = 1.0
-    """Global gradient-norm clipping threshold; 0 = off (the norm is still reported)."""
-    seed: Annotated[int, at_least(0)] = 0
-    """Seed for weight init and data order."""
     dataset: Literal["files", "synthetic"] = "synthetic"
     """"files": tokenize dataset_path; "synthetic": uniform random tokens (throughput runs)."""
     dataset_path: str = ""
     """Comma-separated data files or directories (.jsonl, .json, .txt, .parquet)."""
-    loss_chunk_tokens: Annotated[int, at_least(1)] = 4096
-    """Tokens per chunk of the output head + cross-entropy (bounds the logits' memory)."""
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    """Compute dtype of single and fsdp2 (slidedp and deepspeed compute in BF16); master weights
-    and optimizer state are always FP32."""
     init_on_meta: bool = False
     """Create weights on the meta device, init them in place after sharding (fast; fsdp2)."""
-    nonfinite: Literal["stop_consecutive", "stop_total", "skip", "off"] = "stop_consecutive"
-    """A step with a NaN/Inf loss or gradient norm skips its update (see docs/USAGE.md, Failures); "skip": go on,
-    "stop_*": stop after max_nonfinite_steps such steps in a row / in total; "off": no check."""
     max_nonfinite_steps: Annotated[int, at_least(1)] = 3
     """Skipped steps (in a row, or in total since the start) that stop the run."""
 
 
 @dataclass
-class Optimizer:
-    lr: Annotated[float, above(0)] = 1e-5
-    """Peak learning rate of AdamW."""
-    beta1: Annotated[float, within(0, 1, high_open=True)] = 0.9
-    """AdamW first-moment decay."""
-    beta2: Annotated[float, within(0, 1, high_open=True)] = 0.95
-    """AdamW second-moment decay."""
-    eps: Annotated[float, above(0)] = 1e-8
-    """AdamW denominator epsilon."""
-    weight_decay: Annotated[float, at_least(0)] = 0.1
-    """Decoupled weight decay, applied to every parameter."""
-
-
-@dataclass
-class LRScheduler:
+class LRScheduler(Checked):
     warmup_steps: Annotated[int, at_least(0)] = 0
     """Steps of linear warmup from lr/warmup_steps up to lr."""
     decay_type: Literal["linear", "cosine", "none"] = "cosine"
@@ -131,8 +95,8 @@ class LRScheduler:
 
 
 @dataclass
-class Parallelism:
-    mode: Literal["single", "fsdp2", "deepspeed", "slidedp"] = "single"
+class Parallelism(Checked):
+    mode: ParallelMode = "single"
     """single: one device; fsdp2: torch FSDP2 on the GPUs; deepspeed: DeepSpeed ZeRO-Offload
     (the [deepspeed] section); slidedp: host-resident, streamed."""
     fsdp_cpu_offload: bool = False
@@ -141,7 +105,7 @@ class Parallelism:
 
 
 @dataclass
-class ActivationCheckpoint:
+class ActivationCheckpoint(Checked):
     mode: ACMode = "none"
     """Recompute in backward (single, fsdp2, deepspeed): "full": every transformer block;
     "selective": torchtitan's op-level policy (saves attention and every other matmul output,
@@ -149,7 +113,7 @@ class ActivationCheckpoint:
 
 
 @dataclass
-class DeepSpeed:
+class DeepSpeed(Checked):
     """DeepSpeed ZeRO-Offload (parallelism.mode = "deepspeed"; pip install '.[deepspeed]'):
     BF16 compute with FP32 master weights and Adam state in host memory, updated by
     DeepSpeedCPUAdam after backward (recipes/baselines/zero_offload.py)."""
@@ -170,7 +134,7 @@ class DeepSpeed:
 
 
 @dataclass
-class Checkpoint:
+class Checkpoint(Checked):
     save_dir: str = ""
     """Hugging Face-format saves go to <save_dir>/step-<N>; empty: no saving."""
     interval: Annotated[int, at_least(0)] = 0
@@ -184,7 +148,7 @@ class Checkpoint:
 
 
 @dataclass
-class Metrics:
+class Metrics(Checked):
     log_freq: Annotated[int, at_least(1)] = 10
     """Print the progress line every this many steps (and at the first and the last)."""
     enable_tensorboard: bool = True
@@ -194,7 +158,7 @@ class Metrics:
 
 
 @dataclass
-class Plan:
+class Plan(Checked):
     """The machine `python -m recipes.plan CONFIG` plans for (recipes/plan.py; a run ignores it)."""
 
     rates: str = ""
@@ -223,75 +187,6 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     slidedp: SlideDPConfig = field(default_factory=SlideDPConfig)
     plan: Plan = field(default_factory=Plan)
-
-
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(c) for c in get_args(tp))
-    if get_origin(tp) in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in get_args(tp))
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-            type(None): "unset"}.get(tp, str(tp))
-
-
-def _matches(value: Any, tp: Any) -> bool:
-    """TOML-strict type check: bool is not an int, an int is a valid float."""
-    origin = get_origin(tp)
-    if origin is Literal:
-        return any(type(value) is type(c) and value == c for c in get_args(tp))
-    if origin in (Union, types.UnionType):
-        return any(_matches(value, a) for a in get_args(tp))
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is type(None):
-        return value is None
-    return isinstance(value, tp)
-
-
-def _base(tp: Any) -> Any:
-    """The type under an Annotated one (its bounds stripped)."""
-    return get_args(tp)[0] if get_origin(tp) is Annotated else tp
-
-
-def _check_value(key: str, value: Any, tp: Any) -> Any:
-    """The value if it fits the annotation (ints widened to float) and its bounds (Annotated
-    Bound markers), else a ConfigError."""
-    base = _base(tp)
-    if not _matches(value, base):
-        raise ConfigError(f"{key} must be {_type_name(base)}, got {value!r}")
-    if isinstance(value, float) and not math.isfinite(value):  # inf passes every bound
-        raise ConfigError(f"{key} must be finite, got {value!r}")
-    if error := bound_error(key, value, tp):
-        raise ConfigError(error)
-    return float(value) if base is float else value
-
-
-def _unknown_key(section: str, key: str, valid: Iterable[str]) -> ConfigError:
-    return ConfigError(f"unknown key {section}.{key} (valid keys: {', '.join(valid)})")
-
-
-def _unknown_section(name: str) -> ConfigError:
-    return ConfigError(f"unknown section [{name}] (valid sections: "
-                       f"{', '.join(get_type_hints(JobConfig))})")
-
-
-def _section_from_dict(cls: type, data: dict[str, Any], *, section: str) -> Any:
-    hints = get_type_hints(cls, include_extras=True)
-    for key in data:
-        if key not in hints:
-            raise _unknown_key(section, key, hints)
-    return cls(**{key: _check_value(f"{section}.{key}", value, hints[key])
-                  for key, value in data.items()})
-
-
-def check_config(config: JobConfig) -> None:
-    """Every field against its annotation, choices and bounds (covers command-line values)."""
-    for section in dataclasses.fields(config):
-        obj = getattr(config, section.name)
-        for name, tp in get_type_hints(type(obj), include_extras=True).items():
-            _check_value(f"{section.name}.{name}", getattr(obj, name), tp)
 
 
 def _require_path(key: str, value: str, *, kind: Literal["file", "directory", "file or directory"],
@@ -364,15 +259,18 @@ def resolve_model(config: JobConfig) -> tuple[str, ModelArgs]:
     return inferred or f"custom ({Path(hf_dir).name})", _with_rope_scaling(config.model, args)
 
 
-def _job_config_from_dict(cls: type, data: dict[str, Any]) -> Any:
-    sections = get_type_hints(cls, include_extras=True)
-    for name, table in data.items():
-        if name not in sections:
-            raise _unknown_section(name)
-        if not isinstance(table, dict):
-            raise ConfigError(f"{name} must be a [{name}] table, got {table!r}")
-    return cls(**{name: _section_from_dict(sections[name], table, section=name)
-                  for name, table in data.items()})
+def run_config(config: JobConfig) -> RunConfig:
+    """What slidedp/ reads of `config`, built once per run."""
+    return RunConfig(mode=config.parallelism.mode,
+                     activation_checkpoint=config.activation_checkpoint.mode,
+                     model=_narrowed(RunModel, config.model),
+                     training=_narrowed(RunTraining, config.training), optimizer=config.optimizer,
+                     slidedp=config.slidedp)
+
+
+def _narrowed(cls: type, section: Any) -> Any:
+    """`section`'s values of the fields of `cls`, one of its bases."""
+    return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
 
 def _check_paths(config: JobConfig) -> None:
@@ -463,115 +361,148 @@ def _with_policy_file(config: JobConfig) -> JobConfig:
                           f"{', '.join(sorted(data)) or 'nothing'}")
     if "policy_file" in table:
         raise ConfigError(f"{key}: {path} sets slidedp.policy_file itself")
+    return dataclasses.replace(config, slidedp=_with_table(config.slidedp, table, name="slidedp",
+                                                           prefix=f"{key}: {path}: "))
+
+
+@contextmanager
+def _keys_named(prefix: str = "") -> Iterator[None]:
+    """A FieldError of a section built inside as one ConfigError naming its section.key."""
     try:
-        chosen = _section_from_dict(SlideDPConfig, table, section="slidedp")
-    except ConfigError as e:
-        raise ConfigError(f"{key}: {path}: {e}") from None
-    return dataclasses.replace(config, slidedp=dataclasses.replace(
-        config.slidedp, **{name: getattr(chosen, name) for name in table}))
+        yield
+    except FieldError as e:
+        names = {tp: name for name, tp in field_types(JobConfig).items()}
+        raise ConfigError(f"{prefix}{names[e.owner]}.{e.message}") from None
 
 
-def _cli_value(text: str, tp: Any) -> Any:
-    """A flag's text as the annotation's type where it parses (else the text itself, which
-    _check_value then refuses with the expected type)."""
-    if tp in (int, float):
-        try:
-            return tp(text)
-        except ValueError:
-            return text
-    if type(None) in get_args(tp) and text == "None":
-        return None
-    return text
+def _unknown_key(section: str, key: str) -> ConfigError:
+    valid = ", ".join(field_types(field_types(JobConfig)[section]))
+    return ConfigError(f"unknown key {section}.{key} (valid keys: {valid})")
 
 
-def _check_cli_args(args: list[str]) -> list[str]:
-    """The flags as tyro takes them, every key spelled with underscores (as --help and the
-    README spell it; dashes are accepted too), each `--section.key=value` checked like a TOML
-    value: an unknown key, a wrong type, a bad choice or a bound is one ConfigError naming the
-    key instead of tyro's multi-line box. Booleans are flags (`--metrics.jsonl`,
-    `--metrics.no_jsonl`) or `=true` / `=false`."""
-    sections = get_type_hints(JobConfig)
-    out: list[str] = []
-    rest = iter(args)
-    for arg in rest:
-        if arg in ("-h", "--help"):
-            out.append(arg)
-            continue
-        if not arg.startswith("--") or "." not in arg.partition("=")[0]:
-            raise ConfigError(f"unexpected argument {arg!r} (flags are --section.key=value)")
-        name, eq, text = arg[2:].partition("=")
-        section, _, key = name.replace("-", "_").partition(".")
-        if section not in sections:
-            raise _unknown_section(section)
-        hints = get_type_hints(sections[section], include_extras=True)
-        negated = key.startswith("no_") and _base(hints.get(key[3:])) is bool
-        key = key[3:] if negated else key
-        if key not in hints:
-            raise _unknown_key(section, key, hints)
-        full, tp = f"{section}.{key}", hints[key]
-        if _base(tp) is bool:
-            value = not negated
-            if eq:
-                if negated or text.lower() not in ("true", "false"):
-                    raise ConfigError(f"{full} must be true or false, got {arg!r}")
-                value = text.lower() == "true"
-            out.append(f"--{section}.{'' if value else 'no_'}{key}")
-            continue
-        if not eq:
-            text = next(rest, None)
-            if text is None:
-                raise ConfigError(f"{full}: no value given (--{full}=VALUE)")
-        _check_value(full, _cli_value(text, _base(tp)), tp)
-        out.append(f"--{full}={text}")
-    return out
+def _unknown_section(name: str) -> ConfigError:
+    return ConfigError(f"unknown section [{name}] (valid sections: "
+                       f"{', '.join(field_types(JobConfig))})")
 
 
-def _import_torchtitan_without_its_init() -> None:
-    """Register the `torchtitan` package without running its __init__.py, whose only work is
-    registering torchtitan's quantization converters (unused here): they import torch.compile's
-    stack, about 4 s of CPU in every process that parses a config (each rank, the preflight).
-    torchtitan.config and its imports (tyro, logging) do not need it. Without torchtitan the
-    import that follows fails as usual."""
-    spec = importlib.util.find_spec("torchtitan")
-    if spec is not None and "torchtitan" not in sys.modules:
-        sys.modules["torchtitan"] = importlib.util.module_from_spec(spec)  # submodules import as usual
+def _with_table(section: Any, table: dict[str, Any], *, name: str, prefix: str = "") -> Any:
+    """`section` with a TOML table's keys in place of its own."""
+    if unknown := [key for key in table if key not in field_types(type(section))]:
+        raise ConfigError(f"{prefix}{_unknown_key(name, unknown[0])}")
+    with _keys_named(prefix):
+        return dataclasses.replace(section, **table)
 
 
-def _job_config_manager():
-    """torchtitan's ConfigManager for JobConfig, with one-line errors for TOML values and flags
-    alike, strict TOML types, and --help spelled as the README does (underscores).
-    Defined on first use: importing torchtitan takes seconds, which processes that only need
-    the dataclasses (ranks of a test, SlideDP workers) should not pay."""
+def _from_toml(path: str) -> JobConfig:
+    sections = field_types(JobConfig)
+    for name, table in (data := _load_toml(path)).items():
+        if name not in sections:
+            raise ConfigError(f"{path}: {_unknown_section(name)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {name} must be a [{name}] table, got {table!r}")
+    return JobConfig(**{name: _with_table(sections[name](), table, name=name, prefix=f"{path}: ")
+                        for name, table in data.items()})
+
+
+@cache
+def _registry() -> Any:
+    """tyro's rules for int, float and Literal flags, except that a value that does not parse
+    is passed on as its text: the section's own check then refuses it in one line naming the
+    key, as it does a TOML value (tyro's own refusal is a multi-line box)."""
+    import tyro
+    from tyro.constructors import PrimitiveConstructorSpec, PrimitiveTypeInfo
+
+    registry = tyro.constructors.ConstructorRegistry()
+
+    @registry.primitive_rule
+    def lenient(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
+        tp = info.type
+        if get_origin(tp) is Literal:
+            metavar = "{" + ",".join(map(str, get_args(tp))) + "}"
+        elif tp in (int, float):
+            metavar = tp.__name__.upper()
+        else:
+            return None
+        return PrimitiveConstructorSpec(nargs=1, metavar=metavar,
+                                        instance_from_str=lambda args: _read(tp, args[0]),
+                                        is_instance=lambda value: field_error("", value, tp) is None,
+                                        str_from_instance=lambda value: [str(value)])
+
+    return registry
+
+
+def _read(tp: Any, text: str) -> Any:
+    """`text` as a value of `tp` (int, float or a Literal), or as it is where it is none."""
+    if get_origin(tp) is Literal:
+        return next((choice for choice in get_args(tp) if str(choice) == text), text)
+    try:
+        return tp(text)
+    except ValueError:
+        return text
+
+
+def _flag_key(arg: str) -> tuple[str, str]:
+    """(section, key) of `--section.key[=value]`, dashes read as underscores."""
+    name = arg.partition("=")[0].removeprefix("--").replace("-", "_")
+    section, _, key = name.partition(".")
+    return section, key
+
+
+def _is_bool(section: str, key: str) -> bool:
+    section_type = field_types(JobConfig).get(section)
+    return section_type is not None and base_type(field_types(section_type).get(key)) is bool
+
+
+def _flag_form(arg: str) -> str:
+    """`--section.key=true|false` of a bool field as tyro's flag (`--section.key` or
+    `--section.no_key`); any other argument as it is."""
+    (section, key), (_, eq, text) = _flag_key(arg), arg.partition("=")
+    plain = key.removeprefix("no_")
+    if not (eq and arg.startswith("--") and _is_bool(section, plain)):
+        return arg
+    if plain != key or text.lower() not in ("true", "false"):
+        raise ConfigError(f"{section}.{plain} must be true or false, got {arg!r}")
+    return f"--{section}.{'no_' if text.lower() == 'false' else ''}{plain}"
+
+
+def _unexpected(arg: str) -> ConfigError:
+    """The error for an argument tyro left over."""
+    section, key = _flag_key(arg)
+    if not (arg.startswith("--") and key):
+        return ConfigError(f"unexpected argument {arg!r} (flags are --section.key=value)")
+    if section not in field_types(JobConfig):
+        return _unknown_section(section)
+    return _unknown_key(section, key)
+
+
+def _refused(args: list[str]) -> ConfigError:
+    """The error for flags tyro refuses, which (values that do not parse it passes on) is a
+    flag without its value."""
+    for arg, following in zip(args, [*args[1:], "--"]):
+        section, key = _flag_key(arg)
+        if (arg.startswith("--") and "=" not in arg and following.startswith("--")
+                and not _is_bool(section, key.removeprefix("no_"))):
+            return ConfigError(f"{section}.{key}: no value given (--{section}.{key}=VALUE)")
+    return ConfigError(f"the flags do not parse: {' '.join(args)}")
+
+
+def _with_flags(base: JobConfig, args: list[str]) -> JobConfig:
+    """`base` with the flags applied, as tyro parses them (--help: tyro's help, then exit)."""
     import tyro
 
-    _import_torchtitan_without_its_init()
-    from torchtitan.config.manager import ConfigManager, custom_registry
-
-    class JobConfigManager(ConfigManager):
-        def parse_args(self, args: list[str]) -> JobConfig:
-            self.toml_path = _config_file_arg(args)
-            base = JobConfig() if self.toml_path is None else self._from_toml(self.toml_path)
-            self.config = tyro.cli(JobConfig, args=_check_cli_args(args), default=base,
-                                   registry=custom_registry, use_underscores=True)
-            check_config(self.config)  # policy_file itself is a string, before it is read
-            self.config = _with_policy_file(self.config)
-            self._validate_config()
-            return self.config
-
-        def _from_toml(self, path: str) -> JobConfig:
-            data = _load_toml(path)
-            try:
-                return _job_config_from_dict(JobConfig, data)
-            except ConfigError as e:
-                raise ConfigError(f"{path}: {e}") from None
-
-        def _validate_config(self) -> None:
-            check_config(self.config)
-            _check_paths(self.config)
-            _check_combinations(self.config)
-            _check_activation(self.config, resolve_model(self.config)[1])
-
-    return JobConfigManager(config_cls=JobConfig)
+    helping = "-h" in args or "--help" in args
+    args = [_flag_form(arg) for arg in args]
+    try:
+        config, unknown = tyro.cli(JobConfig, args=args, default=base, registry=_registry(),
+                                   use_underscores=True, console_outputs=helping,
+                                   return_unknown_args=True)
+    except SystemExit as e:
+        if helping or e.code == 0:
+            raise
+        raise _refused(args) from None
+    if unknown:
+        raise _unexpected(unknown[0])
+    return config
 
 
 def _config_file_arg(args: list[str]) -> str | None:
@@ -585,5 +516,13 @@ def _config_file_arg(args: list[str]) -> str | None:
 
 
 def parse_config(args: list[str]) -> JobConfig:
-    """Defaults < TOML (--job.config_file) < flags; raises ConfigError on any mistake."""
-    return _job_config_manager().parse_args(args)
+    """Defaults < TOML (--job.config_file) < flags; raises ConfigError on any mistake, before
+    any work starts."""
+    path = _config_file_arg(args)
+    with _keys_named():
+        config = _with_flags(JobConfig() if path is None else _from_toml(path), args)
+    config = _with_policy_file(config)
+    _check_paths(config)
+    _check_combinations(config)
+    _check_activation(config, resolve_model(config)[1])
+    return config

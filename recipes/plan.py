@@ -21,12 +21,13 @@ slidedp/plan/, owns that (slidedp/ imports nothing from recipes/).
 import argparse
 import os
 import sys
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from models.kernels import resolve_kernels
-from recipes.config import ConfigError, parse_config, resolve_model
+from recipes.config import ConfigError, JobConfig, Plan, parse_config, resolve_model, run_config
 from recipes.preflight import device_memory
 from slidedp.nodes import check_nodes_reduction
 from slidedp.peer_styles import RUNTIME_STYLES
@@ -42,14 +43,20 @@ class PlanError(ValueError):
     """A one-line, user-facing error of the planner."""
 
 
-def load_job(flags: list[str]) -> Job:
-    """The configuration of `flags`, read, checked and resolved as a run would."""
+def load_config(flags: list[str]) -> tuple[JobConfig, Job]:
+    """The configuration of `flags`, read, checked and resolved as a run would, and the job
+    the planner reads of it."""
     try:
         config = parse_config(flags)
         flavor, args = resolve_model(config)
     except ConfigError as e:
         raise PlanError(str(e)) from None
-    return Job(config=config, flavor=flavor, args=args)
+    return config, Job(config=run_config(config), flavor=flavor, args=args)
+
+
+def load_job(flags: list[str]) -> Job:
+    """The job the planner reads of the configuration of `flags`."""
+    return load_config(flags)[1]
 
 
 def probe_job(job: Job, *, device: torch.device, rank: int = 0, world: int = 1, group=None,
@@ -70,10 +77,10 @@ def probe_job(job: Job, *, device: torch.device, rank: int = 0, world: int = 1, 
         raise PlanError(str(e)) from None
 
 
-def rates_for(job: Job, *, rates: str) -> Rates:
+def rates_for(job: Job, plan: Plan, *, rates: str) -> Rates:
     """`--rates` if given, else [plan] rates, else this machine's (cached, or probed now on one
     rank)."""
-    name = rates or job.config.plan.rates
+    name = rates or plan.rates
     if not name:
         cuda = torch.cuda.is_available()
         return probe_job(job, device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
@@ -83,22 +90,22 @@ def rates_for(job: Job, *, rates: str) -> Rates:
         raise PlanError(f"{'--rates' if rates else 'plan.rates'}: {e}") from None
 
 
-def link_for(job: Job, *, nodes: int, link: str) -> Link | None:
+def link_for(job: Job, plan: Plan, *, nodes: int, link: str) -> Link | None:
     """`--link` if given, else [plan] link, for a plan over `nodes` > 1 (None on one node)."""
     config = job.config
     if nodes < 1:
         raise PlanError(f"--nnodes must be >= 1, got {nodes}")
     if nodes == 1:
         return None
-    if config.parallelism.mode != "slidedp":
+    if config.mode != "slidedp":
         raise PlanError(f"--nnodes {nodes}: the planner models SlideDP over several nodes, not "
-                        f"mode {config.parallelism.mode!r}")
+                        f"mode {config.mode!r}")
     try:
         check_nodes_reduction(
             nodes, RUNTIME_STYLES[config.slidedp.runtime].configure(config.slidedp).reduction)
     except ValueError as e:
         raise PlanError(f"--nnodes {nodes}: {e}") from None
-    name = link or config.plan.link
+    name = link or plan.link
     if not name:
         raise PlanError(f"--nnodes {nodes} needs the nodes' link: --link NAME (a file of "
                         "slidedp/plan/rates/links/, e.g. ib400x8) or [plan] link")
@@ -139,15 +146,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default="slidedp_policy.toml", help="--search: the policy file")
     ours, flags = split_flags(argv, parser)
     try:
-        job = load_job(flags)
-        rates = rates_for(job, rates=ours.rates)
-        world = ours.ngpu or job.config.plan.ngpu or rates.machine.devices
+        config, job = load_config(flags)
+        rates = rates_for(job, config.plan, rates=ours.rates)
+        world = ours.ngpu or config.plan.ngpu or rates.machine.devices
         if world < 1:
             raise PlanError(f"--ngpu must be >= 1, got {world}")
-        nodes = ours.nnodes or job.config.plan.nnodes
-        link = link_for(job, nodes=nodes, link=ours.link)
-        print("\n".join(plan_text(job, rates, world=world, resident_memory=device_memory,
-                                  nodes=nodes, link=link)), flush=True)
+        nodes = ours.nnodes or config.plan.nnodes
+        link = link_for(job, config.plan, nodes=nodes, link=ours.link)
+        print("\n".join(plan_text(job, rates, world=world,
+                                  resident_memory=partial(device_memory, config), nodes=nodes,
+                                  link=link)), flush=True)
         if ours.search:
             print("\n".join(search_offline(job, rates, world=world, out=ours.out)), flush=True)
     except (PlanError, MissingRate) as e:

@@ -22,7 +22,8 @@ import torch
 from models.kernels import resolve_kernels
 from protocols.model_spec import ModelArgs
 from recipes.checkpoint import FORMAT_VERSION, read_meta
-from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, resolve_resume_dir
+from recipes.config import (ConfigError, JobConfig, parse_config, resolve_model, resolve_resume_dir,
+                            run_config)
 from slidedp.gpu_update import check_gpu_updates
 from slidedp.speculative import check_speculative
 from recipes.baselines.memory import baseline_footprint
@@ -181,7 +182,7 @@ def device_memory(config: JobConfig, args: ModelArgs, *, world: int,
     (slidedp/plan/memory.py), or a baseline's footprint (recipes/baselines/memory.py) with the
     same activation and logits model."""
     if config.parallelism.mode == "slidedp":
-        return estimate_device_memory(config, args, world=world, kernels=kernels)
+        return estimate_device_memory(run_config(config), args, world=world, kernels=kernels)
     return estimate_memory(baseline_footprint(config, args, world=world), config.training, args,
                            kernels=kernels)
 

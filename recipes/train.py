@@ -29,7 +29,7 @@ from models.loss import IGNORE_INDEX
 from protocols.backend import Batch, StepResult, TrainBackend
 from protocols.model_spec import ModelArgs, spec_of
 from recipes.checkpoint import TRAIN_STATE, CheckpointSaver, HFExport, read_meta, remove_saves
-from recipes.config import ConfigError, JobConfig, parse_config
+from recipes.config import ConfigError, JobConfig, parse_config, run_config
 from recipes.interrupt import EXIT_CODE, catch_interrupt, interrupt_requested, stopped_line
 from recipes.liveness import exit_with_launcher, watching_peers
 from recipes.lr_schedule import LRSchedule
@@ -282,8 +282,8 @@ def _autopolicy(config: JobConfig, checked: CheckedRun, backend, *, rank: int, w
     from slidedp.plan.live import select_live
     from slidedp.plan.policy_file import POLICY_FILE_NAME
 
-    select_live(backend, config, checked.args, flavor=checked.name, device=device, rank=rank,
-                world=world, group=dist.group.WORLD if world > 1 else None,
+    select_live(backend, run_config(config), checked.args, flavor=checked.name, device=device,
+                rank=rank, world=world, group=dist.group.WORLD if world > 1 else None,
                 out=str(Path(config.job.dump_folder) / POLICY_FILE_NAME), log=logger.info)
 
 

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from protocols.bounds import at_least, within
+from protocols.bounds import Checked, at_least, within
 from slidedp.update_order import UpdateOrderName
 
 DeliveryRoute = Literal["replicated", "sharded"]
@@ -19,7 +19,7 @@ MomentsDtype = Literal["float32", "bfloat16", "8bit"]
 
 
 @dataclass
-class SlideDPConfig:
+class SlideDPConfig(Checked):
     """Knobs of the host-resident streaming runtime (used when parallelism.mode = "slidedp")."""
 
     runtime: RuntimeName = "slidedp"

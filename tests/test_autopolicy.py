@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from recipes.config import parse_config, resolve_model
+from recipes.config import parse_config, resolve_model, run_config
 from slidedp.activations import KEEP, RECOMPUTE, parse_policy
 from slidedp.plan import live
 from slidedp.plan.live import _Meter
@@ -112,10 +112,10 @@ def qwen3_8b(*, selective_vs_recompute: float) -> Model:
     """Qwen3-8B at 24 sequences from `recompute` on every block, on the shipped H200 rates with a
     probe's block timings: `selective` `selective_vs_recompute` times recompute's (the probe
     found 11.40 against 11.29 ms per sequence), `keep` without the replay."""
-    config = parse_config(["--job.config_file=train_configs/h200_qwen3_8b_slidedp.toml",
+    parsed = parse_config(["--job.config_file=train_configs/h200_qwen3_8b_slidedp.toml",
                            "--training.local_batch_size=24", "--slidedp.activation=recompute",
                            "--slidedp.keep_blocks=0", "--slidedp.window_slots=2"])
-    flavor, args = resolve_model(config)
+    (flavor, args), config = resolve_model(parsed), run_config(parsed)
     rates = load_rates("h200")
     kernels = kernels_for(config, rates)
     seq = config.training.seq_len
@@ -255,11 +255,11 @@ def test_the_search_weighs_optimizer_state_on_the_gpu():
     program takes one that keeps state there; with accumulation no GPU update can run, so only
     the configuration's own placement remains."""
     from slidedp.plan.search import Setting, resident_levels, runs
-    config = parse_config(["--job.config_file=train_configs/h200_qwen3_4b_slidedp.toml",
+    parsed = parse_config(["--job.config_file=train_configs/h200_qwen3_4b_slidedp.toml",
                            "--training.local_batch_size=1", "--slidedp.activation=recompute",
                            "--slidedp.keep_blocks=0", "--slidedp.embedding_update=host",
                            "--slidedp.gpu_state_blocks=0", "--slidedp.update_order=arrival"])
-    flavor, args = resolve_model(config)
+    (flavor, args), config = resolve_model(parsed), run_config(parsed)
     rates = load_rates("h200")
     model = Model(config, args, flavor, kernels_for(config, rates), 1, rates)
     L, base = args.n_layers, setting_of(config)

@@ -10,7 +10,11 @@ import pytest
 
 from models.hf_checkpoint import save_hf_checkpoint
 from protocols.model_spec import get_flavor
-from recipes.config import ConfigError, JobConfig, parse_config, resolve_model
+from protocols.bounds import FieldError
+from recipes.config import (ConfigError, JobConfig, Optimizer, Training, parse_config,
+                            resolve_model, run_config)
+from slidedp.config import SlideDPConfig
+from slidedp.run_config import RunConfig, RunModel, RunTraining
 from recipes.lr_schedule import LRSchedule
 from recipes.model import build_model
 from tests.conftest import REPO, subprocess_env
@@ -194,6 +198,49 @@ def test_entry_point_bad_flag_is_one_line_exit_code_2(flag):
     assert proc.returncode == 2
     assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize("source", ["toml", "flag"])
+@pytest.mark.parametrize("key, value, said", [
+    ("slidedp.window_slots", "1", "slidedp.window_slots must be >= 2, got 1"),
+    ("training.dtype", '"fp16"', "training.dtype must be one of 'bf16', 'fp32', got 'fp16'"),
+])
+def test_entry_point_bound_and_choice_are_one_line_exit_code_2(tmp_path, source, key, value, said):
+    """The section's own check refuses a number out of bounds or a bad choice, given in TOML or
+    as a flag alike."""
+    section, name = key.split(".")
+    args = ([f"--{key}={value.strip(chr(34))}"] if source == "flag" else
+            ["--job.config_file", write_toml(tmp_path, f"[{section}]\n{name} = {value}\n")])
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr
+    assert said in proc.stderr
+
+
+def test_sections_check_themselves_when_built_in_code():
+    """Not only parsing: a section built in code is held to its annotations too (ints widened
+    for floats)."""
+    with pytest.raises(FieldError, match="^steps must be >= 1, got 0$") as info:
+        Training(steps=0)
+    assert info.value.owner is Training
+    with pytest.raises(FieldError, match="^delivery must be one of 'replicated', 'sharded'"):
+        SlideDPConfig(delivery="both")
+    with pytest.raises(FieldError, match="^lr must be finite"):
+        Optimizer(lr=float("inf"))
+    assert isinstance(Optimizer(lr=1).lr, float)
+
+
+def test_run_config_is_what_slidedp_reads_of_the_job():
+    config = parse_config(["--parallelism.mode=slidedp", "--activation_checkpoint.mode=full",
+                           "--training.seq_len=64", "--training.steps=3", "--optimizer.lr=0.5",
+                           "--model.kernels=torch", "--slidedp.window_slots=4"])
+    run = run_config(config)
+    assert (run.mode, run.activation_checkpoint) == ("slidedp", "full")
+    assert type(run.model) is RunModel and type(run.training) is RunTraining
+    assert run.model == RunModel(kernels="torch")
+    assert run.training == RunTraining(seq_len=64)  # training.steps is the recipes' own
+    assert run.optimizer.lr == 0.5 and run.slidedp.window_slots == 4
+    assert run_config(JobConfig()) == RunConfig(mode="single")
 
 
 @pytest.mark.parametrize("decay_type, expected", [

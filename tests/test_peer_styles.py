@@ -204,7 +204,7 @@ def test_preflight_and_device_estimate_count_each_style():
     """The start-up check's exact host bytes for Qwen3-8B on 2 ranks, and the device estimate:
     MegaTrain-style holds no FP32 cast buffer (its BF16 master goes to the GPU as it is) and its
     gradients wait on the host, so its device bytes are SlideDP's with the shadow."""
-    from recipes.config import JobConfig
+    from recipes.config import JobConfig, run_config
     from slidedp.plan.memory import estimate_device_memory
     from recipes.preflight import slidedp_host_bytes
 
@@ -214,7 +214,7 @@ def test_preflight_and_device_estimate_count_each_style():
         config = JobConfig()
         config.parallelism.mode, config.slidedp.runtime = "slidedp", runtime
         per_param[runtime] = slidedp_host_bytes(config, args, world=2) / args.num_params()
-        device[runtime] = estimate_device_memory(config, args, world=2).total
+        device[runtime] = estimate_device_memory(run_config(config), args, world=2).total
     assert per_param == pytest.approx({"slidedp": 14, "slideformer": 18, "megatrain": 14},
                                       rel=1e-3)
     assert device["megatrain"] == device["slidedp"]

@@ -5,12 +5,14 @@ probe's cache, and the model against recorded runs."""
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from recipes.bench.model_check import check
-from recipes.config import ConfigError, parse_config, resolve_model
+from recipes.config import ConfigError, parse_config
+from recipes.plan import load_config, load_job
 from slidedp.activations import KEEP, block_policies, parse_policy
 from slidedp.plan.policy_file import policy_settings, write_policy_file
 from slidedp.plan.predict import plan_run
@@ -25,8 +27,7 @@ CONFIGS = sorted(p.name for p in (SHIPPED.parents[2] / "train_configs").glob("*.
 
 
 def job_of(*flags: str) -> Job:
-    config = parse_config(list(flags))
-    return Job(config, *resolve_model(config))
+    return load_job(list(flags))
 
 
 def planned(name: str) -> tuple[str, int, float]:
@@ -46,9 +47,11 @@ def test_every_config_plans_as_its_header_says(name, tmp_path):
     """Each config plans on its platform's rates within the memory there, and the step time in
     its header is what the model predicts now (the debug config runs on any CPU: no header)."""
     rates, world, stated = planned(name) if name != "debug_cpu.toml" else ("h200", 1, None)
-    job = job_of(f"--job.config_file=train_configs/{name}", f"--job.dump_folder={tmp_path}")
-    text = "\n".join(plan_text(job, load_rates(rates), world=world, resident_memory=device_memory))
-    if job.config.parallelism.mode == "slidedp":
+    config, job = load_config([f"--job.config_file=train_configs/{name}",
+                               f"--job.dump_folder={tmp_path}"])
+    text = "\n".join(plan_text(job, load_rates(rates), world=world,
+                               resident_memory=partial(device_memory, config)))
+    if job.config.mode == "slidedp":
         assert "bottleneck: " in text and "what would move it: " in text
         assert "DOES NOT FIT" not in text, text
         seconds = float(re.search(r"^predicted step: ([\d.]+) s", text, re.M)[1])

@@ -11,13 +11,14 @@ import statistics
 import subprocess
 import sys
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
 
 import slidedp.plan.probe as probe_module
 from models.kernels import resolve_kernels
-from recipes.plan import load_job, main
+from recipes.plan import load_config, load_job, main
 from slidedp.plan.predict import policies_of
 from slidedp.plan.probe import ProbeSizes, probe
 from slidedp.plan.rates import SHIPPED, load_rates
@@ -58,9 +59,10 @@ def cpu_rates():
 
 @pytest.mark.parametrize("mode", ["single", "slidedp"])
 def test_a_cpu_plan_speaks_of_the_device_and_host_memory(mode, tmp_path):
-    job = load_job([f"--job.config_file={DEBUG}", f"--parallelism.mode={mode}",
-                    f"--job.dump_folder={tmp_path}"])
-    text = "\n".join(plan_text(job, cpu_rates(), world=1, resident_memory=device_memory))
+    config, job = load_config([f"--job.config_file={DEBUG}", f"--parallelism.mode={mode}",
+                               f"--job.dump_folder={tmp_path}"])
+    text = "\n".join(plan_text(job, cpu_rates(), world=1,
+                               resident_memory=partial(device_memory, config)))
     assert "device memory per rank (the CPU's: host memory): " in text, text
     assert "GPU" not in text and "gpu compute" not in text and "gpu-bound" not in text, text
     if mode == "single":
@@ -68,7 +70,7 @@ def test_a_cpu_plan_speaks_of_the_device_and_host_memory(mode, tmp_path):
         # The resident mode's own estimate (its FP32 model, gradients and Adam state on the
         # device), not SlideDP's streaming window.
         kw = dict(world=1, kernels="torch")
-        own, slidedp = device_memory(job.config, job.args, **kw), estimate_device_memory(
+        own, slidedp = device_memory(config, job.args, **kw), estimate_device_memory(
             job.config, job.args, **kw)
         assert own.total != slidedp.total
         assert f"host memory): {_gib(own.total)} (" in text, text
@@ -81,7 +83,9 @@ def test_a_plan_says_when_the_rates_dtype_is_not_the_runs(tmp_path):
     """The shipped rates are BF16's; debug_cpu computes in FP32 (its slidedp mode in BF16)."""
     note = "compute: these rates were timed in bf16, this run computes in fp32"
     flags = [f"--job.config_file={DEBUG}", f"--job.dump_folder={tmp_path}"]
-    single = plan_text(load_job(flags), load_rates("h200"), world=1, resident_memory=device_memory)
+    config, job = load_config(flags)
+    single = plan_text(job, load_rates("h200"), world=1,
+                       resident_memory=partial(device_memory, config))
     assert any(line.startswith(note) for line in single), single
     slidedp = plan_text(load_job([*flags, "--parallelism.mode=slidedp"]), load_rates("h200"),
                         world=1)

@@ -11,11 +11,11 @@ import torch
 
 from models.kernels import TORCH_KERNELS
 from protocols.model_spec import get_flavor
-from recipes.config import JobConfig
 from slidedp.activations import KEEP, RECOMPUTE, measure_costs, parse_policy
 from slidedp.gpu_update import GPU_CHUNK
 from slidedp.layout import StateLayout
 from slidedp.plan.memory import activation_bytes, estimate_device_memory, rebuilt_bytes
+from slidedp.run_config import RunConfig
 from tests.conftest import REPO
 
 GiB, MiB = 2**30, 2**20
@@ -97,10 +97,9 @@ def test_shape_bytes_are_call_1s_keep_bytes_on_both_paths():
             r["saved_bytes_per_token"], abs=0.01)
 
 
-def _slidedp_config(row: dict) -> JobConfig:
+def _slidedp_config(row: dict) -> RunConfig:
     """A recorded one-H200 SlideDP row's configuration."""
-    config = JobConfig()
-    config.parallelism.mode = "slidedp"
+    config = RunConfig()
     t = config.training
     t.local_batch_size, t.seq_len, t.max_norm = row["local_batch"], row["seq"], row["max_norm"]
     delivery, reduction = row["route"].split("/")
@@ -126,9 +125,8 @@ def test_segment_mask_peaks_on_the_h200():
 
 
 
-def _embedding_update_config(*, batch: int, activation: str, where: str) -> JobConfig:
-    config = JobConfig()
-    config.parallelism.mode = "slidedp"
+def _embedding_update_config(*, batch: int, activation: str, where: str) -> RunConfig:
+    config = RunConfig()
     config.training.local_batch_size, config.training.seq_len = batch, 4096
     config.slidedp = dataclasses.replace(config.slidedp, activation=activation,
                                          embedding_update=where)

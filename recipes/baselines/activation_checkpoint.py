@@ -27,14 +27,13 @@ replayed in backward (as they are under "full"); only the matmul and attention o
 
 from collections.abc import Callable
 from functools import partial
-from typing import Literal
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-ACMode = Literal["none", "full", "selective"]
+from slidedp.run_config import ACMode
 
 _aten = torch.ops.aten
 

@@ -23,7 +23,7 @@ for BF16, 4 for FP32):
 import math
 
 from protocols.model_spec import ModelArgs, spec_of
-from recipes.config import JobConfig
+from recipes.config import JobConfig, run_config
 from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy
 from slidedp.plan.memory import CachedOutputs, Footprint
 from slidedp.plan.predict import compute_dtype
@@ -46,7 +46,7 @@ def baseline_footprint(config: JobConfig, args: ModelArgs, *, world: int) -> Foo
     """The resident bytes and gradients of `config`'s mode (module docstring), its blocks'
     checkpointing, and its compute dtype (DeepSpeed always computes in BF16)."""
     mode, n = config.parallelism.mode, args.num_params()
-    b = 2 if compute_dtype(config) == "bf16" else 4
+    b = 2 if compute_dtype(run_config(config)) == "bf16" else 4
     policies = [_checkpointing(config.activation_checkpoint.mode, args)] * args.n_layers
     block = args.block_params()
     root = n - args.n_layers * block

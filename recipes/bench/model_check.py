@@ -30,7 +30,7 @@ from typing import get_args
 
 from recipes.bench.rows import emit
 from recipes.bench.throughput import point_specs, system_name
-from recipes.config import JobConfig, resolve_model
+from recipes.config import JobConfig, resolve_model, run_config
 from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.host_state import updates_deferred
 from slidedp.peer_styles import RUNTIME_STYLES
@@ -120,7 +120,8 @@ def predict(row: dict, rates: Rates) -> dict:
         work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=cfg.training.seq_len)
         seconds = work.micro_batch([policy] * args.n_layers, cfg.training.local_batch_size).total
         return {"predicted_s": seconds, "regime": "compute", "why": "GPU work alone"}
-    plan = plan_run(cfg, args, flavor=flavor, kernels=kernels, world=row["world"], rates=rates,
+    plan = plan_run(run_config(cfg), args, flavor=flavor, kernels=kernels, world=row["world"],
+                    rates=rates,
                     schedule=cfg.slidedp.runtime)
     step, seconds = plan.step, plan.step.step_s
     if plan.speculation is not None:  # the timed steps' mix of standing and redone updates
@@ -242,7 +243,7 @@ def prediction_rows(rates_path: str, *, flavor: str, seq: int, points: list[str]
                    "nonfinite": nonfinite, "rates": rates_path,
                    "attention_tflops": rates.attention(flavor, seq)}
             if kernels == "auto":
-                row["kernels"] = kernels_for(config_of(row), rates)
+                row["kernels"] = kernels_for(run_config(config_of(row)), rates)
             rows.append({**row, **predict(row, rates)})
     return rows
 

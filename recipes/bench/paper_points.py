@@ -23,7 +23,7 @@ chunks, the BF16 shadow (SlideFormer: the FP32 master cast on the CPU).
 import argparse
 from dataclasses import replace
 
-from recipes.config import JobConfig, resolve_model
+from recipes.config import JobConfig, resolve_model, run_config
 from slidedp.activations import RECOMPUTE
 from slidedp.plan.predict import step_spec
 from slidedp.plan.rates import Rates, load_rates
@@ -56,7 +56,7 @@ def step(rates: Rates, per_gpu: int, world: int, *, seq: int, route: str = "shar
     shadow = schedule != "slideformer"
     c = config(per_gpu, seq=seq, route=route, shadow=shadow)
     name, args = resolve_model(c)
-    spec = step_spec(c, args, flavor=name, kernels="torch", world=world, rates=rates,
+    spec = step_spec(run_config(c), args, flavor=name, kernels="torch", world=world, rates=rates,
                      schedule=schedule)
     return simulate_step(spec, rates).step_s
 

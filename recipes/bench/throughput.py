@@ -39,7 +39,7 @@ from models.kernels import Kernels, sdpa_backend_used
 from protocols.backend import StepResult
 from protocols.model_spec import ModelArgs, spec_of
 from protocols.reconfigure import Knobs
-from recipes.config import ConfigError, JobConfig, resolve_model
+from recipes.config import ConfigError, JobConfig, resolve_model, run_config
 from recipes.metrics import gpu_name, memory, throughput
 from recipes.bench.rows import emit, exit_if_invalid, read_rows, training
 from recipes.bench.timeline import breakdown
@@ -432,7 +432,7 @@ def _autopolicy(a: argparse.Namespace, backend, *, route: str, keys: dict, args:
                               keep_blocks=a.keep_blocks, update_order=cfg.slidedp.update_order,
                               cpu_threads=int(a.cpu_threads.split(",")[0]),
                               embedding_update=cfg.slidedp.embedding_update))
-    chosen = select_live(backend, cfg, args, flavor=a.flavor, device=device, rank=rank,
+    chosen = select_live(backend, run_config(cfg), args, flavor=a.flavor, device=device, rank=rank,
                          world=world, group=dist.group.WORLD if world > 1 else None,
                          out=os.path.join(os.path.dirname(a.out) or ".",
                                           f"policy_{a.flavor}_b{a.autopolicy}.toml"),

@@ -43,6 +43,7 @@ from slidedp.plan.probe import probe
 from slidedp.plan.search import (Model, Setting, assign, budgets, build_program, calibrate,
                                   candidates_of, policies_from, screen, setting_of)
 from slidedp.plan.steptime import simulate_step
+from slidedp.run_config import RunConfig
 
 
 MEASURED_STEPS = 3
@@ -58,8 +59,8 @@ spread of a few steps' times)."""
 class _Meter:
     """Steps of the real engine with lr = 0 on random tokens at the run's shapes."""
 
-    def __init__(self, backend, config, args: ModelArgs, *, device: torch.device, rank: int,
-                 world: int, steps: int):
+    def __init__(self, backend, config: RunConfig, args: ModelArgs, *, device: torch.device,
+                 rank: int, world: int, steps: int):
         tr = config.training
         self.backend, self.device, self.world = backend, device, world
         self.shape = (tr.local_batch_size, tr.seq_len)
@@ -99,7 +100,7 @@ class _Meter:
         return float(value.item())
 
 
-def select_live(backend, config, args: ModelArgs, *, flavor: str, device: torch.device,
+def select_live(backend, config: RunConfig, args: ModelArgs, *, flavor: str, device: torch.device,
                 rank: int, world: int, group, out: str, steps: int = MEASURED_STEPS,
                 log: Callable[[str], None] = print) -> dict:
     """The live stages (module docstring) on `backend`; returns what was chosen and measured.

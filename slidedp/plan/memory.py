@@ -80,6 +80,7 @@ from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK, gpu_updated_units
 from slidedp.host_state import HostStatePlan, updates_deferred
 from slidedp.layout import StateLayout, chunk_elems
 from slidedp.peer_styles import RUNTIME_STYLES
+from slidedp.run_config import RunConfig, RunTraining
 
 Kernel = Literal["liger", "torch"]
 """What models/kernels.py resolves [model] kernels to."""
@@ -240,7 +241,7 @@ class Footprint:
     """slidedp.embedding_update = "gpu": the embedding's state and update on the device."""
 
 
-def slidedp_footprint(config, args: ModelArgs, *, world: int) -> Footprint:
+def slidedp_footprint(config: RunConfig, args: ModelArgs, *, world: int) -> Footprint:
     """SlideDP's resident buffers and held gradients (module docstring), its block policies,
     BF16 compute, and the GPU embedding update's bytes."""
     s = config.slidedp
@@ -283,11 +284,12 @@ def slidedp_footprint(config, args: ModelArgs, *, world: int) -> Footprint:
                      policies=policies, compute_bytes=2, embedding_update=update)
 
 
-def estimate_device_memory(config, args: ModelArgs, *, world: int, kernels: Kernel = "torch",
+def estimate_device_memory(config: RunConfig, args: ModelArgs, *, world: int,
+                           kernels: Kernel = "torch",
                            block_bytes: Callable[[ActivationPolicy], float] | None = None,
                            rebuild_bytes: Callable[[ActivationPolicy], float] | None = None
                            ) -> MemoryEstimate:
-    """SlideDP's estimate for `config` (a recipes.config.JobConfig) on `world` ranks computing
+    """SlideDP's estimate for `config` on `world` ranks computing
     with `kernels` (what models/kernels.py resolves [model] kernels to on the device).
     `block_bytes(policy)`: one block's device bytes per token under `policy` where they were
     measured (the planner's, slidedp/plan/workload.py), instead of activation_bytes;
@@ -297,12 +299,13 @@ def estimate_device_memory(config, args: ModelArgs, *, world: int, kernels: Kern
                            kernels=kernels, block_bytes=block_bytes, rebuild_bytes=rebuild_bytes)
 
 
-def estimate_memory(footprint: Footprint, training, args: ModelArgs, *, kernels: Kernel = "torch",
+def estimate_memory(footprint: Footprint, training: RunTraining, args: ModelArgs, *,
+                    kernels: Kernel = "torch",
                     block_bytes: Callable[[ActivationPolicy], float] | None = None,
                     rebuild_bytes: Callable[[ActivationPolicy], float] | None = None
                     ) -> MemoryEstimate:
     """Any mode's estimate from its `footprint`: the activations its block policies keep for
-    one micro-batch of `training` (recipes.config.Training), the logits, and the embedding
+    one micro-batch of `training`, the logits, and the embedding
     update's later peak (module docstring)."""
     compute_bytes = footprint.compute_bytes
     batch, seq = training.local_batch_size, training.seq_len

@@ -1,6 +1,6 @@
 """A run's plan before anything is allocated: its memory (host and GPU, by part) and its
-predicted step, from a configuration (a recipes.config.JobConfig or anything shaped like it),
-the model's architecture and a machine's rates."""
+predicted step, from a RunConfig (slidedp/run_config.py), the model's architecture and a
+machine's rates."""
 
 import math
 from dataclasses import dataclass, replace
@@ -18,6 +18,7 @@ from slidedp.plan.policy_file import activation_keys
 from slidedp.plan.rates import Rates
 from slidedp.plan.steptime import Schedule, StepPrediction, StepSpec, simulate_step
 from slidedp.plan.workload import Workload
+from slidedp.run_config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -64,24 +65,25 @@ class Speculation:
         return 1.0 if loss <= gain else gain / loss
 
 
-def policies_of(config, args: ModelArgs) -> list[ActivationPolicy]:
+def policies_of(config: RunConfig, args: ModelArgs) -> list[ActivationPolicy]:
     s = config.slidedp
     return block_policies(args.n_layers, default=s.activation, blocks=s.activation_blocks,
                           keep_blocks=s.keep_blocks)
 
 
-def compute_dtype(config) -> Literal["bf16", "fp32"]:
+def compute_dtype(config: RunConfig) -> Literal["bf16", "fp32"]:
     """What the run's devices compute in: training.dtype in single and fsdp2; SlideDP's window
     and DeepSpeed (configured so) hold BF16 weights whatever it says."""
-    return config.training.dtype if config.parallelism.mode in ("single", "fsdp2") else "bf16"
+    return config.training.dtype if config.mode in ("single", "fsdp2") else "bf16"
 
 
-def threads_per_rank(config, rates: Rates, world: int) -> int:
+def threads_per_rank(config: RunConfig, rates: Rates, world: int) -> int:
     """slidedp.cpu_threads, or this rank's share of the machine's cores (as the engine does)."""
     return config.slidedp.cpu_threads or max(1, rates.machine.cores // world)
 
 
-def step_spec(config, args: ModelArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
+def step_spec(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, world: int,
+              rates: Rates,
               policies: list[ActivationPolicy] | None = None,
               schedule: Schedule = "slidedp", nodes: int = 1,
               link: Link | None = None) -> StepSpec:
@@ -112,14 +114,15 @@ def step_spec(config, args: ModelArgs, *, flavor: str, kernels: str, world: int,
         link=link)
 
 
-def state_plan(config) -> HostStatePlan:
+def state_plan(config: RunConfig) -> HostStatePlan:
     """The host state's regions `config` needs (slidedp/host_state.py)."""
     tr = config.training
     return HostStatePlan.for_run(config.slidedp, grad_accum_steps=tr.grad_accum_steps,
                                  max_norm=tr.max_norm, nonfinite=tr.nonfinite)
 
 
-def plan_run(config, args: ModelArgs, *, flavor: str, kernels: str, world: int, rates: Rates,
+def plan_run(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, world: int,
+             rates: Rates,
              policies: list[ActivationPolicy] | None = None,
              schedule: Schedule = "slidedp", simulate: bool = True, nodes: int = 1,
              link: Link | None = None) -> RunPlan:
@@ -152,11 +155,11 @@ def plan_run(config, args: ModelArgs, *, flavor: str, kernels: str, world: int, 
                    speculation=speculation)
 
 
-def with_policies(config, policies: list[ActivationPolicy]):
+def with_policies(config: RunConfig, policies: list[ActivationPolicy]) -> RunConfig:
     """`config` with its per-block policies set to `policies`."""
     return with_slidedp(config, **activation_keys(policies))
 
 
-def with_slidedp(config, **changes):
+def with_slidedp(config: RunConfig, **changes) -> RunConfig:
     """`config` with some [slidedp] keys changed (the others shared)."""
     return replace(config, slidedp=replace(config.slidedp, **changes))

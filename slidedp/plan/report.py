@@ -21,6 +21,7 @@ from slidedp.plan.search import (Model, Setting, assign, budgets, build_program,
                                   resident_levels, runs, screen, setting_of)
 from slidedp.plan.steptime import Schedule
 from slidedp.plan.workload import Workload
+from slidedp.run_config import RunConfig
 
 GiB = 2**30
 
@@ -29,15 +30,15 @@ GiB = 2**30
 class Job:
     """A configuration as the planner reads it."""
 
-    config: object
-    """The recipe's JobConfig (or anything shaped like it)."""
+    config: RunConfig
+    """The run's configuration (the recipes build it: recipes/config.py run_config)."""
     flavor: str
     """The model's flavor name (or "custom (<dir>)")."""
     args: ModelArgs
     """Its architecture."""
 
 
-def kernels_for(config, rates: Rates) -> str:
+def kernels_for(config: RunConfig, rates: Rates) -> str:
     """What [model] kernels resolves to on the machine of `rates` ("auto": liger on a GPU, as
     the runtime picks it where liger-kernel is installed, a dependency of this package)."""
     choice = config.model.kernels
@@ -147,7 +148,8 @@ def describe_run(job: Job, *, world: int, kernels: str) -> str:
 
 
 DeviceMemory = Callable[..., MemoryEstimate]
-"""`(config, args, *, world, kernels) -> MemoryEstimate`: a mode's device estimate."""
+"""`(args, *, world, kernels) -> MemoryEstimate`: a mode's device estimate (of the recipes'
+configuration)."""
 
 
 def plan_text(job: Job, rates: Rates, *, world: int,
@@ -159,11 +161,11 @@ def plan_text(job: Job, rates: Rates, *, world: int,
     (recipes/preflight.py's device_memory), not this package."""
     kernels = kernels_for(job.config, rates)
     config = job.config
-    if config.parallelism.mode != "slidedp":
+    if config.mode != "slidedp":
         if resident_memory is None:
-            raise ValueError(f"plan_text: mode {config.parallelism.mode!r} needs its "
+            raise ValueError(f"plan_text: mode {config.mode!r} needs its "
                              "resident_memory estimate")
-        est = resident_memory(config, job.args, world=world, kernels=kernels)
+        est = resident_memory(job.args, world=world, kernels=kernels)
         return _resident_mode_text(job, rates, est, world=world, kernels=kernels)
     # A peer runtime style (slidedp.runtime) is simulated with its own schedule where the model
     # has one; its routes and host regions come from the style either way.
@@ -191,15 +193,15 @@ def _resident_mode_text(job: Job, rates: Rates, est: MemoryEstimate, *, world: i
     step (the step-time model simulates SlideDP's schedules)."""
     config, tr = job.config, job.config.training
     # "selective" (torchtitan's op-level policy) replays less than full: keep is the bound.
-    policy = RECOMPUTE if config.activation_checkpoint.mode == "full" else KEEP
+    policy = RECOMPUTE if config.activation_checkpoint == "full" else KEEP
     work = Workload(rates, job.args, flavor=job.flavor, kernels=kernels, seq=tr.seq_len)
     seconds = work.micro_batch([policy] * job.args.n_layers, tr.local_batch_size).total * tr.grad_accum_steps
     tokens = tr.local_batch_size * tr.seq_len * tr.grad_accum_steps * world
     cap = rates.machine.device_memory_gib * GiB
     fit = "" if not cap else f" of {_gib(cap)}: {'fits' if est.total <= cap * REFUSE_ABOVE else 'DOES NOT FIT'}"
-    mode = config.activation_checkpoint.mode
+    mode = config.activation_checkpoint
     checkpointing = "no" if mode == "none" else mode
-    return [f"plan of {job.flavor} in mode {config.parallelism.mode} on {world} rank(s), "
+    return [f"plan of {job.flavor} in mode {config.mode} on {world} rank(s), "
             f"{tr.grad_accum_steps} x {tr.local_batch_size} x {tr.seq_len} tokens; {kernels} "
             f"kernels, {compute_dtype(config)} compute",
             f"on {describe_rates(rates)}", *dtype_note(job, rates),

@@ -31,6 +31,7 @@ from slidedp.plan.predict import state_plan, step_spec, with_slidedp
 from slidedp.plan.rates import Rates
 from slidedp.plan.steptime import simulate_step, step_demands
 from slidedp.plan.workload import Workload
+from slidedp.run_config import RunConfig
 
 
 _BASES = ("keep", "recompute", "selective", "ops(matmul+attention)", "segments(attention_core)",
@@ -65,7 +66,7 @@ class Setting:
     embedding_update: str
     """Where the embedding's AdamW runs (slidedp.embedding_update)."""
 
-    def apply(self, config):
+    def apply(self, config: RunConfig) -> RunConfig:
         return with_slidedp(config, delivery=self.delivery, reduction=self.reduction,
                             window_slots=self.window_slots, chunk_mib=self.chunk_mib,
                             bf16_shadow=self.bf16_shadow, gpu_state_blocks=self.gpu_state_blocks,
@@ -79,13 +80,13 @@ class Setting:
                 f"embedding update {self.embedding_update}{resident}")
 
 
-def setting_of(config) -> Setting:
+def setting_of(config: RunConfig) -> Setting:
     s = config.slidedp
     return Setting(s.delivery, s.reduction, s.window_slots, s.chunk_mib, s.bf16_shadow,
                    s.gpu_state_blocks, s.embedding_update)
 
 
-def resident_levels(config, n_layers: int) -> list[tuple[int, str]]:
+def resident_levels(config: RunConfig, n_layers: int) -> list[tuple[int, str]]:
     """The optimizer placements the search weighs, as (gpu_state_blocks, embedding_update): the
     configuration's, and the embedding with none, a quarter, half, three quarters or all of the
     blocks resident on the GPU; the program trades their 14 B/param of GPU memory against kept
@@ -98,7 +99,7 @@ def resident_levels(config, n_layers: int) -> list[tuple[int, str]]:
     return levels
 
 
-def runs(setting: Setting, config, n_layers: int, *, world: int) -> bool:
+def runs(setting: Setting, config: RunConfig, n_layers: int, *, world: int) -> bool:
     """Whether the run can take `setting` (its GPU updates' conditions: slidedp/gpu_update.py)."""
     try:
         check_gpu_updates(setting.apply(config).slidedp,
@@ -113,7 +114,7 @@ def runs(setting: Setting, config, n_layers: int, *, world: int) -> bool:
 class Model:
     """The step-time model of one run, for the program: the configuration, where it runs."""
 
-    config: object
+    config: RunConfig
     args: ModelArgs
     flavor: str
     kernels: str
@@ -224,7 +225,7 @@ def budgets(model: Model, *, host_available: float | None = None) -> tuple[float
     return gpu, host
 
 
-def candidates_of(config) -> list[ActivationPolicy]:
+def candidates_of(config: RunConfig) -> list[ActivationPolicy]:
     """slidedp.autopolicy_candidates, or CANDIDATES."""
     chosen = parse_candidates(config.slidedp.autopolicy_candidates)
     return chosen or list(CANDIDATES)
