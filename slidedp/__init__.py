@@ -18,7 +18,14 @@
   streams.py      CUDA streams/events that are no-ops on the CPU
   traffic.py      per-step byte counters of each route
   state_file.py   per-rank shards of master + moments as stored, for resuming
-  engine.py       the streamed training step (TrainBackend)
+  holds.py        where a step's returned gradients wait for their updates, one object per hold
+  gradient_flow.py the update thread's gradient returns, holds, updates and their settling
+  block_runner.py the compute walk of a micro-batch through the GPU window, fed by deliveries
+  step_metrics.py the build's phases, the threads' host times and the update tail, per step
+  state_io.py     the host state's weights in and out (first fill, by name, saved shards)
+  rank_groups.py  a backend's process groups, made and ended in the same order on every rank
+  host_memory.py  the refusal to start without the host memory a run needs
+  engine.py       the streamed training step (TrainBackend): its parts built and driven
 """
 
 # Imported before any process group exists (every entry point imports this package first):

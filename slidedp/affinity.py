@@ -13,7 +13,11 @@ waits for its slowest block.
 
 import glob
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
+
+from slidedp import cpu_adam
 
 
 def _cpulist(text: str) -> list[int]:
@@ -80,3 +84,27 @@ def placement(cores: list[int], *, update_threads: int) -> Placement:
 def pin_this_thread(cores: tuple[int, ...] | int) -> None:
     """The calling thread (Linux: pid 0 is the caller's thread) runs only on `cores`."""
     os.sched_setaffinity(0, {cores} if isinstance(cores, int) else set(cores))
+
+
+
+class RuntimeThreads:
+    """A rank's delivery and update threads: one-thread pools, each started by `initializer`."""
+
+    def __init__(self, initializer: Callable[[], None]):
+        self.deliverer = ThreadPoolExecutor(1, thread_name_prefix="slidedp-deliver",
+                                            initializer=initializer)
+        self.updater = ThreadPoolExecutor(1, thread_name_prefix="slidedp-update",
+                                          initializer=initializer)
+
+    def pin(self, *, local_rank: int, local_world: int, update_threads: int) -> None:
+        """This rank's threads on its share of the cores, each runtime thread pinned from inside
+        itself, then the caller's (compute)."""
+        where = placement(rank_cores(local_rank, local_world), update_threads=update_threads)
+        self.deliverer.submit(pin_this_thread, where.deliver).result()
+        self.updater.submit(pin_this_thread, where.update).result()
+        self.updater.submit(cpu_adam.pin_helpers, list(where.helpers)).result()
+        pin_this_thread(where.compute)
+
+    def shutdown(self) -> None:
+        self.deliverer.shutdown(wait=True, cancel_futures=True)
+        self.updater.shutdown(wait=True, cancel_futures=True)

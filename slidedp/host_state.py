@@ -39,12 +39,13 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
 from slidedp.config import MomentsDtype, SlideDPConfig
 from slidedp.cpu_adam import MOMENT_BLOCK, moment_scales
+from slidedp.holds import HOLDS, Hold
 from slidedp.layout import SHARD_ALIGN, StateLayout, Unit
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.streams import register_host, unregister_host
@@ -57,13 +58,6 @@ MOMENT_SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 REDO_PREFIX = "redo_"
 """The speculative updates' copy of a state region (slidedp/speculative.py)."""
 assert SHARD_ALIGN % MOMENT_BLOCK == 0  # no rank's shard or chunk splits a block of scales
-
-
-Hold = Literal["none", "device", "shadow", "grad_bf16", "grad_accum", "staging", "shared_accum"]
-"""Where a step's returned gradients wait for their updates: nowhere (the cpu route's host sum
-feeds the update as it arrives), the reduced shard on the GPU, a host region (the BF16 shadow,
-the BF16 gradient buffer, the FP32 accumulation buffer), the cpu route's staging copies,
-summed again at the update, or the locked route's one sum of every rank's gradients."""
 
 
 def updates_deferred(*, max_norm: float, nonfinite: str, reduction: str = "gpu") -> bool:
@@ -124,9 +118,13 @@ class HostStatePlan:
                    bf16_master=style.bf16_master, grad_lock=locked,
                    moments=cfg.moments_dtype)
 
-    def hold(self, *, n_micro: int, reduction: str, deferred: bool) -> "Hold":
+    def hold(self, *, n_micro: int, reduction: str, deferred: bool) -> Hold:
         """Where a step of `n_micro` micro-batches on the `reduction` route keeps its gradients
-        until their updates (raises if these regions have no place for them)."""
+        until their updates (slidedp/holds.py; raises if these regions have no place for
+        them)."""
+        return HOLDS[self._hold_name(n_micro=n_micro, reduction=reduction, deferred=deferred)]
+
+    def _hold_name(self, *, n_micro: int, reduction: str, deferred: bool) -> str:
         if reduction == "locked":  # the one sum serves any number of micro-batches
             if not self.grad_lock:
                 raise ValueError("SlideDP: reduction='locked' needs the shared gradient sum: "
@@ -354,6 +352,10 @@ class SharedHostState:
         """This rank's shard of `unit` in a region (`unit_view` of `Unit.shard`)."""
         lo, hi = unit.shard(self.rank, self.world)
         return self.unit_view(region, unit.index, lo, hi)
+
+    def shadow_from_master(self, unit: Unit) -> None:
+        """This rank's shard of the unit's BF16 shadow rounded again from its master."""
+        self.shard_view("shadow", unit).copy_(self.shard_view("master", unit))
 
     def staging_view(self, owner: int, unit_index: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rank `owner`'s returned full gradient of a unit (CPU-side reduction)."""

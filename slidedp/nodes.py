@@ -17,7 +17,7 @@ Nodes that differ are refused at start (`check_same`: ranks per node, model, con
 
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,14 @@ class Nodes:
 
     def check_reduction(self, reduction: str) -> None:
         check_nodes_reduction(self.nnodes, reduction)
+
+
+def node_fields(job_config, model_args) -> dict[str, object]:
+    """What every node must run alike (`Nodes.check_same`), by `section.key`."""
+    sections = {"model": model_args, "training": job_config.training,
+                "optimizer": job_config.optimizer, "slidedp": job_config.slidedp}
+    return {f"{name}.{key}": value for name, section in sections.items()
+            for key, value in asdict(section).items()}
 
 
 def check_nodes_reduction(nnodes: int, reduction: str) -> None:

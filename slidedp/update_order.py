@@ -1,6 +1,6 @@
 """The order of the host updates, decided in one place.
 
-The update thread (slidedp/engine.py) has two kinds of work. Gradient returns
+The update thread (slidedp/gradient_flow.py) has two kinds of work. Gradient returns
 (`GradientReturn.start` and what must follow it at once) run first and in the order backward hands
 them over, which every rank shares, so the collectives and staging handshakes inside them match up
 across ranks. Updates touch only this rank's shard of the host state, so they may run in any

@@ -54,6 +54,7 @@ from typing import Literal
 
 from slidedp.config import MomentsDtype
 from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK
+from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.link import Link
 from slidedp.plan.rates import MissingRate, Rates
 from slidedp.plan.simulate import Simulation, subtract, union_length
@@ -202,8 +203,9 @@ class _Rank:
 
 class _Builder:
     def __init__(self, spec: StepSpec, rates: Rates):
-        if spec.schedule == "slideformer" and (spec.delivery, spec.reduction) != ("replicated", "cpu"):
-            raise ValueError("the slideformer schedule delivers replicated and reduces on the cpu")
+        # The peer style's routes, ownership and barriers (slidedp/peer_styles.py).
+        self.style = RUNTIME_STYLES[spec.schedule]
+        self.style.check_routes(spec.delivery, spec.reduction)
         if (spec.embedding_on_gpu or spec.resident_units) and (
                 spec.schedule, spec.reduction, spec.micro_batches) != ("slidedp", "gpu", 1):
             raise ValueError("updates on the GPU need the slidedp schedule, reduction gpu and "
@@ -281,8 +283,8 @@ class _Builder:
                         kind="inter-node")
 
     def threads_of(self, r: int) -> int:
-        """Update threads of rank r: SlideFormer's rank 0 updates with every core."""
-        return self.spec.cores if self.spec.schedule == "slideformer" else self.spec.threads
+        """Update threads of rank r: a sole owner (rank 0) updates with every core."""
+        return self.spec.cores if self.style.sole_owner else self.spec.threads
 
     def host_pass(self, r: int, elems: int, *, kind: str, deps, grad: str = "bf16",
                   sources: int = 1, assign: bool = True) -> int:
@@ -366,7 +368,7 @@ class _Builder:
 
     def _owners(self, r: int) -> list[int]:
         """Ranks whose update of a unit rank r's delivery of it waits for."""
-        if self.spec.schedule == "slideformer":
+        if self.style.sole_owner:
             return [0]
         return [r] if self.spec.delivery == "sharded" else list(range(self.spec.world))
 
@@ -422,8 +424,8 @@ class _Builder:
         """The update threads' job for one returned gradient (engine: _grad_job), every rank."""
         spec, R = self.spec, self.spec.world
         update = micro == spec.micro_batches - 1 and not spec.waits_for_norm
-        if spec.schedule == "slideformer":
-            return self._slideformer_gradient(unit, host, gpu, micro, update)
+        if self.style.sole_owner:
+            return self._sole_owner_gradient(unit, host, gpu, micro, update)
         elems = spec.unit_elems[unit]
         if spec.reduction == "gpu":
             starts = [self.add(f"uthread:{r}", deps=[host[r]], kind="issue") for r in range(R)]
@@ -482,10 +484,11 @@ class _Builder:
             deps = [self.host_pass(r, n, kind="adam", deps=deps, grad=grad)]
         return deps
 
-    def _slideformer_gradient(self, unit: int, host: list[int], gpu: list[int], micro: int,
-                              update: bool) -> None:
+    def _sole_owner_gradient(self, unit: int, host: list[int], gpu: list[int], micro: int,
+                             update: bool) -> None:
         """Every rank copies its full gradient home chunk by chunk; rank 0 sums the R copies of
-        each chunk and updates it; the ranks meet before each chunk's copy and after its update."""
+        each chunk and updates it; the ranks meet before each chunk's copy and after its update
+        (the style's barrier per chunk)."""
         spec, R = self.spec, self.spec.world
         consumed = self.ranks[0].returned.get(unit)
         starts = [self.add(f"uthread:{r}", deps=[host[r], consumed], kind="issue") for r in range(R)]
@@ -535,8 +538,8 @@ class _Builder:
         unit by unit in forward order (the engine's _update_job); each unit's version is stored
         when it is done."""
         spec, ends = self.spec, []
-        sf = spec.schedule == "slideformer"
-        for r in [0] if sf else range(spec.world):
+        sole = self.style.sole_owner
+        for r in [0] if sole else range(spec.world):
             prev = [after[r]]
             # The GPU's first (engine: UpdateQueue), each unit in forward order.
             order = sorted(range(len(spec.unit_elems)), key=lambda u: not self._on_gpu(u))
@@ -545,7 +548,7 @@ class _Builder:
                     end, ready = self._gpu_update(r, unit, prev)
                     prev = [end]
                 else:
-                    for n in chunks(spec.unit_elems[unit] if sf else spec.unit_elems[unit]
+                    for n in chunks(spec.unit_elems[unit] if sole else spec.unit_elems[unit]
                                     // spec.world, spec.chunk_elems):
                         prev = [self.host_pass(r, n, kind="adam", deps=prev, grad="fp32")]
                     ready = prev[0]
