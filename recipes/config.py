@@ -72,8 +72,6 @@ class Model(RunModel):
 
 @dataclass
 class Training(RunTraining):
-    steps: Annotated[int, at_least(1)] = 100
-    """Optimizer steps to run."""
     dataset: Literal["files", "synthetic"] = "synthetic"
     """"files": tokenize dataset_path; "synthetic": uniform random tokens (throughput runs)."""
     dataset_path: str = ""

@@ -6,7 +6,7 @@ build their model from recipes/model.py."""
 import torch
 
 from protocols.model_spec import ModelArgs
-from recipes.config import ConfigError, JobConfig
+from recipes.config import ConfigError, JobConfig, run_config
 
 
 def build_backend(config: JobConfig, args: ModelArgs, *, device: torch.device, dp_rank: int,
@@ -29,7 +29,7 @@ def build_backend(config: JobConfig, args: ModelArgs, *, device: torch.device, d
     from slidedp.nodes import NodeMismatch
 
     try:
-        return build_slidedp_backend(config, args, device=device, dp_rank=dp_rank,
+        return build_slidedp_backend(run_config(config), args, device=device, dp_rank=dp_rank,
                                      dp_world=dp_world)
     except NodeMismatch as e:  # every rank refuses alike, before anything is allocated
         raise ConfigError(str(e)) from None

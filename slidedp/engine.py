@@ -49,6 +49,7 @@ from slidedp.nodes import Nodes, ReplicaCheck, node_fields
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.rank_groups import RankGroups
 from slidedp.routes import build_routes, check_routes
+from slidedp.run_config import RunConfig
 from slidedp.save_gate import SaveGate
 from slidedp.speculative import check_speculative
 from slidedp.state_file import read_master, save_shards
@@ -67,23 +68,23 @@ PARALLEL_INIT_PARAMS = 1_000_000_000
 class SlideDPBackend:
     """Host-resident layer streaming with synchronous data-parallel semantics."""
 
-    def __init__(self, job_config, model_args: ModelArgs, *, device: torch.device, dp_rank: int,
-                 dp_world: int):
-        tr, opt = job_config.training, job_config.optimizer
+    def __init__(self, config: RunConfig, model_args: ModelArgs, *, device: torch.device,
+                 dp_rank: int, dp_world: int):
+        tr, opt = config.training, config.optimizer
         lap = Laps()
         self.build_s = lap.seconds
         # The runtime style (slidedp/peer_styles.py) sets its own routes and shadow.
-        self.style = RUNTIME_STYLES[job_config.slidedp.runtime]
-        cfg = self.style.configure(job_config.slidedp)
+        self.style = RUNTIME_STYLES[config.slidedp.runtime]
+        cfg = self.style.configure(config.slidedp)
         self.cfg, self.args, self.device = cfg, model_args, device
         self.spec = spec_of(model_args)
         # The same kernels as every other mode, for the blocks run on streamed weights.
-        kernels = self.kernels = resolve_kernels(job_config.model.kernels,
-                                                 attention=job_config.model.attention,
+        kernels = self.kernels = resolve_kernels(config.model.kernels,
+                                                 attention=config.model.attention,
                                                  device_type=device.type)
         # Several nodes (slidedp/nodes.py): each shards its own host state over its own ranks.
         self.nodes = Nodes.discover(rank=dp_rank, world=dp_world)
-        self.nodes.check_same(node_fields(job_config, model_args))
+        self.nodes.check_same(node_fields(config, model_args))
         self.leader = dp_rank == 0  # prints the start-up report
         self.rank, self.world = self.nodes.local_rank, self.nodes.local_world
         self.max_norm = tr.max_norm
@@ -112,7 +113,7 @@ class SlideDPBackend:
                                      share=self.groups.share, barrier=self.groups.barrier,
                                      pin=device.type == "cuda", label=self.nodes.label)
         lap("host state")
-        state_io.init_weights(self.state, self.spec, model_args, hf_dir=job_config.model.hf_dir,
+        state_io.init_weights(self.state, self.spec, model_args, hf_dir=config.model.hf_dir,
                               seed=tr.seed, parallel_above=PARALLEL_INIT_PARAMS)
         self.groups.barrier()
         lap("weights")
@@ -393,7 +394,7 @@ class SlideDPBackend:
             self.state.close()
 
 
-def build_slidedp_backend(job_config, model_args: ModelArgs, *, device: torch.device,
+def build_slidedp_backend(config: RunConfig, model_args: ModelArgs, *, device: torch.device,
                           dp_rank: int, dp_world: int) -> SlideDPBackend:
     """The `parallelism.mode = "slidedp"` backend."""
-    return SlideDPBackend(job_config, model_args, device=device, dp_rank=dp_rank, dp_world=dp_world)
+    return SlideDPBackend(config, model_args, device=device, dp_rank=dp_rank, dp_world=dp_world)

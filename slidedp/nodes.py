@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from slidedp.host_state import STATE_LABEL
+from slidedp.run_config import RunConfig
 
 
 
@@ -107,10 +108,10 @@ class Nodes:
         check_nodes_reduction(self.nnodes, reduction)
 
 
-def node_fields(job_config, model_args) -> dict[str, object]:
+def node_fields(config: RunConfig, model_args) -> dict[str, object]:
     """What every node must run alike (`Nodes.check_same`), by `section.key`."""
-    sections = {"model": model_args, "training": job_config.training,
-                "optimizer": job_config.optimizer, "slidedp": job_config.slidedp}
+    sections = {"model": model_args, "training": config.training,
+                "optimizer": config.optimizer, "slidedp": config.slidedp}
     return {f"{name}.{key}": value for name, section in sections.items()
             for key, value in asdict(section).items()}
 

@@ -30,6 +30,8 @@ class RunModel(Checked):
 
 @dataclass
 class RunTraining(Checked):
+    steps: Annotated[int, at_least(1)] = 100
+    """Optimizer steps to run (every node must run as many)."""
     seq_len: Annotated[int, at_least(1)] = 128
     """Tokens per sample (documents are packed)."""
     local_batch_size: Annotated[int, at_least(1)] = 8

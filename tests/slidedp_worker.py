@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from protocols.model_spec import get_flavor
 from protocols.reconfigure import Knobs
-from recipes.config import JobConfig
+from recipes.config import JobConfig, run_config
 from slidedp.engine import SlideDPBackend
 from slidedp.gpu_update import device_clip
 from tests.rank_exit import assert_no_gloo_thread_left
@@ -115,7 +115,7 @@ def main() -> None:
                               batch=a.batch * world, seq=a.seq, vocab=args.vocab_size, seed=7)
         cfg = make_config(variant, accum=accum, max_norm=max_norm, kernels=a.kernels,
                           batch=a.batch, seq=a.seq)
-        backend = SlideDPBackend(cfg, args, device=device, dp_rank=rank, dp_world=world)
+        backend = SlideDPBackend(run_config(cfg), args, device=device, dp_rank=rank, dp_world=world)
         mapped = mapped_host_state_bytes()
         updates: list = []
         if delay:

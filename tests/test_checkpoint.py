@@ -21,6 +21,7 @@ from protocols.model_spec import get_flavor
 from recipes.checkpoint import (META_FILE, TRAIN_STATE, CheckpointSaver, NonFiniteWeights,
                                 latest_checkpoint, prune, staging_dir)
 from recipes.baselines.eager import build_single_backend
+from recipes.config import run_config
 from slidedp.layout import StateLayout
 from slidedp.save_gate import SaveGate
 from slidedp.state_file import state_file
@@ -37,7 +38,7 @@ def _batch(seed: int):
 def _slidedp(nonfinite: str):
     from slidedp.engine import SlideDPBackend
 
-    return SlideDPBackend(make_config({"nonfinite": nonfinite}, accum=1, max_norm=0.0), ARGS,
+    return SlideDPBackend(run_config(make_config({"nonfinite": nonfinite}, accum=1, max_norm=0.0)), ARGS,
                           device=torch.device("cpu"), dp_rank=0, dp_world=1)
 
 
@@ -209,7 +210,7 @@ def test_slidedp_8bit_moments_resume_exactly_and_convert(tmp_path):
     from slidedp.engine import SlideDPBackend
 
     def backend(moments: str):
-        return SlideDPBackend(make_config({"moments_dtype": moments}, accum=1, max_norm=1.0), ARGS,
+        return SlideDPBackend(run_config(make_config({"moments_dtype": moments}, accum=1, max_norm=1.0)), ARGS,
                               device=torch.device("cpu"), dp_rank=0, dp_world=1)
 
     def trained_and_saved(moments: str) -> dict[str, torch.Tensor]:

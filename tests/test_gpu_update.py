@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from protocols.model_spec import get_flavor
+from recipes.config import run_config
 from recipes.parallelize import build_backend
 from slidedp.engine import SlideDPBackend
 from slidedp.gpu_update import GPU_CHUNK
@@ -24,7 +25,7 @@ def test_prefetch_waits_for_kernels_queued_on_the_memory_it_reuses():
     land after the kernel, or the kernel overwrites the prefetched master."""
     device = torch.device("cuda", 0)
     cfg = make_config({"embedding_update": "gpu"}, accum=1, max_norm=0.0)
-    backend = SlideDPBackend(cfg, get_flavor("qwen3-debug"), device=device, dp_rank=0,
+    backend = SlideDPBackend(run_config(cfg), get_flavor("qwen3-debug"), device=device, dp_rank=0,
                              dp_world=1)
     try:
         upd = backend.gpu_updates[0]
@@ -63,7 +64,7 @@ def _lockstep(flavor: str, layers: int, *, max_norm: float, where: str, steps: i
     cfg.training.loss_chunk_tokens = 1024
     cfg.parallelism.mode = "single"
     single = build_backend(cfg, args, device=device, dp_rank=0, dp_world=1)
-    slide = SlideDPBackend(cfg, args, device=device, dp_rank=0, dp_world=1)
+    slide = SlideDPBackend(run_config(cfg), args, device=device, dp_rank=0, dp_world=1)
     g = torch.Generator().manual_seed(3)
     rows = []
     try:

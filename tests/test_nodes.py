@@ -11,7 +11,7 @@ import torch
 
 from protocols.model_spec import get_flavor
 from recipes.baselines.eager import build_fsdp2_backend
-from recipes.config import ConfigError
+from recipes.config import ConfigError, run_config
 from recipes.launch import rendezvous_args
 from slidedp.engine import SlideDPBackend
 from slidedp.nodes import NodeMismatch, ReplicaDiverged
@@ -74,15 +74,15 @@ def _nodes_rank(rank: int, world: int) -> dict:
                 "replicated": ({"delivery": "replicated", "chunk_mib": 0.003}, 1)}
     for name, (variant, accum) in variants.items():
         cfg = make_config(variant, accum=accum, max_norm=MAX_NORM)
-        out[name] = _train(SlideDPBackend(cfg, get_flavor(FLAVOR), device=torch.device("cpu"),
+        out[name] = _train(SlideDPBackend(run_config(cfg), get_flavor(FLAVOR), device=torch.device("cpu"),
                                           dp_rank=rank, dp_world=world), rank, accum=accum)
     cfg = make_config({"replica_check_every": 2}, accum=1, max_norm=MAX_NORM)
-    out["diverged"] = _train(SlideDPBackend(cfg, get_flavor(FLAVOR), device=torch.device("cpu"),
+    out["diverged"] = _train(SlideDPBackend(run_config(cfg), get_flavor(FLAVOR), device=torch.device("cpu"),
                                             dp_rank=rank, dp_world=world),
                              rank, accum=1, corrupt_after=1)
     cfg = make_config({"chunk_mib": 1.0 if rank >= 2 else 32.0}, accum=1, max_norm=MAX_NORM)
     try:
-        SlideDPBackend(cfg, get_flavor(FLAVOR), device=torch.device("cpu"), dp_rank=rank,
+        SlideDPBackend(run_config(cfg), get_flavor(FLAVOR), device=torch.device("cpu"), dp_rank=rank,
                        dp_world=world)
         out["mismatch"] = None
     except NodeMismatch as e:

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from models.qwen.model import RMSNorm
 from protocols.model_spec import get_flavor
 from recipes.checkpoint import TRAIN_STATE
+from recipes.config import run_config
 from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.baselines.eager import _create_adam_state, build_fsdp2_backend, build_single_backend
 from tests.conftest import REPO, ranks_fixture
@@ -72,7 +73,7 @@ def _build(mode: str, variant: dict, *, accum: int, max_norm: float, rank: int, 
     if mode == "slidedp":
         from slidedp.engine import SlideDPBackend
 
-        return (SlideDPBackend(config, ARGS, device=torch.device("cpu"), dp_rank=rank,
+        return (SlideDPBackend(run_config(config), ARGS, device=torch.device("cpu"), dp_rank=rank,
                                dp_world=world), _slidedp_state)
     build = build_single_backend if mode == "single" else build_fsdp2_backend
     return build(config, ARGS, device=torch.device("cpu")), _eager_state

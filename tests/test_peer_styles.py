@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from protocols.model_spec import get_flavor
+from recipes.config import run_config
 from slidedp.config import SlideDPConfig
 from slidedp.host_state import HostStatePlan, host_state_bytes, updates_deferred
 from slidedp.layout import StateLayout
@@ -133,7 +134,7 @@ def test_megatrain_updates_after_the_whole_backward_and_before_the_step_returns(
 
     args = get_flavor("qwen3-debug")
     config = make_config({"runtime": "megatrain", "nonfinite": "off"}, accum=1, max_norm=0.0)
-    backend = SlideDPBackend(config, args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    backend = SlideDPBackend(run_config(config), args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
     updates, returns, step_ends = [], [], []
     slow_down_updates(backend, 0.01, updates)
     start = backend.grad_return.start

@@ -22,7 +22,7 @@ import torch
 from protocols.model_spec import get_flavor
 from protocols.reconfigure import Knobs
 from recipes.baselines.eager import build_single_backend
-from recipes.config import JobConfig
+from recipes.config import JobConfig, run_config
 from slidedp.config import SlideDPConfig
 from slidedp.gpu_update import gpu_updated_units
 from slidedp.layout import SHARD_ALIGN, StateLayout
@@ -456,7 +456,7 @@ def test_updates_on_the_device_refuse_what_they_cannot_serve(change, accum, said
             check_gpu_updates(cfg.slidedp, grad_accum_steps=1, n_layers=4, world=2)
         return
     with pytest.raises(ValueError, match=said):
-        SlideDPBackend(cfg, get_flavor("qwen3-debug"), device=torch.device("cpu"), dp_rank=0,
+        SlideDPBackend(run_config(cfg), get_flavor("qwen3-debug"), device=torch.device("cpu"), dp_rank=0,
                        dp_world=1)
 
 
@@ -630,7 +630,7 @@ def test_clipped_update_between_steps_is_counted_in_the_next():
     from slidedp.engine import SlideDPBackend
 
     args = get_flavor("qwen3-debug")
-    backend = SlideDPBackend(make_config({}, accum=1, max_norm=1e-3), args,
+    backend = SlideDPBackend(run_config(make_config({}, accum=1, max_norm=1e-3)), args,
                              device=torch.device("cpu"), dp_rank=0, dp_world=1)
     try:
         x = torch.randint(0, args.vocab_size, (2, 16))
@@ -660,7 +660,7 @@ def test_updates_left_after_backward_run_in_the_next_steps_order(order):
     kw = dict(flavor="qwen3-debug", steps=3, accum=1, max_norm=0.0)
     args = get_flavor(kw["flavor"])
     config = make_config({"nonfinite": "off", "update_order": order}, accum=1, max_norm=0.0)
-    backend = SlideDPBackend(config, args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    backend = SlideDPBackend(run_config(config), args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
     updates, gates, losses, rows = [], {}, [], []
     slow_down_updates(backend, 0.05, updates)
     wait_version = backend.delivery.wait_version
@@ -708,7 +708,7 @@ def test_activation_policies_switch_between_steps():
 
     kw = dict(flavor="qwen3-debug", steps=3, accum=1, max_norm=0.0)
     args = get_flavor(kw["flavor"])
-    backend = SlideDPBackend(make_config({}, accum=1, max_norm=0.0), args,
+    backend = SlideDPBackend(run_config(make_config({}, accum=1, max_norm=0.0)), args,
                              device=torch.device("cpu"), dp_rank=0, dp_world=1)
     losses = []
     try:
@@ -737,7 +737,7 @@ def test_too_little_host_memory_is_refused_before_allocating():
 
     before = _shmem_bytes()
     with pytest.raises(MemoryError, match="GiB of host memory"):
-        SlideDPBackend(make_config({}, accum=1, max_norm=0.0), get_flavor("qwen2.5-72B"),
+        SlideDPBackend(run_config(make_config({}, accum=1, max_norm=0.0)), get_flavor("qwen2.5-72B"),
                        device=torch.device("cpu"), dp_rank=0, dp_world=1)
     assert _shmem_bytes() - before < 2**26
 
@@ -795,7 +795,7 @@ def test_host_state_starts_from_a_hugging_face_checkpoint(tmp_path, flavor):
                        max_shard_bytes=2**17)
     cfg = make_config({}, accum=1, max_norm=0.0)
     cfg.model.hf_dir = str(tmp_path / "hf")
-    backend = SlideDPBackend(cfg, args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    backend = SlideDPBackend(run_config(cfg), args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
     try:
         loaded = dict(backend.named_master_parameters())
         assert set(loaded) == {n for n, _ in model.named_parameters()}
@@ -810,13 +810,14 @@ def test_host_state_starts_from_a_hugging_face_checkpoint(tmp_path, flavor):
 FAILING_STEP = """
 import sys, torch, torch.distributed as dist
 from protocols.model_spec import get_flavor
+from recipes.config import run_config
 from slidedp.engine import SlideDPBackend
 from tests.slidedp_worker import make_config
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 args = get_flavor("qwen3-debug")
 variant = {"delivery": sys.argv[1], "activation": sys.argv[4]}
-backend = SlideDPBackend(make_config(variant, accum=1, max_norm=float(sys.argv[2])),
+backend = SlideDPBackend(run_config(make_config(variant, accum=1, max_norm=float(sys.argv[2]))),
                          args, device=torch.device("cpu"), dp_rank=rank, dp_world=world)
 x = torch.randint(0, args.vocab_size, (2, 16))
 backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel() * world)
@@ -861,6 +862,7 @@ def test_a_failing_step_ends_every_rank_promptly(tmp_path, delivery, max_norm, e
 NO_THREAD_LEFT = """
 import torch, torch.distributed as dist
 from protocols.model_spec import get_flavor
+from recipes.config import run_config
 from slidedp.engine import SlideDPBackend
 from tests.rank_exit import assert_no_gloo_thread_left, gloo_threads
 from tests.slidedp_worker import make_config
@@ -872,7 +874,8 @@ default = gloo_threads(-1)
 assert default > 0, "torch names its gloo worker threads pt_gloo_runloop"
 args = get_flavor("qwen3-debug")
 cfg = make_config({"delivery": "sharded", "reduction": "cpu"}, accum=1, max_norm=0.5)
-backend = SlideDPBackend(cfg, args, device=torch.device("cpu"), dp_rank=rank, dp_world=world)
+backend = SlideDPBackend(run_config(cfg), args, device=torch.device("cpu"), dp_rank=rank,
+                         dp_world=world)
 x = torch.randint(0, args.vocab_size, (2, 16))
 backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel() * world)
 backend.close()
@@ -904,7 +907,7 @@ def test_offloaded_activations_are_freed_when_a_step_fails():
     args = get_flavor("qwen3-debug")
     cfg = make_config({"activation": "recompute@offload=1",
                        "activation_blocks": "1-2:keep@offload=0.37"}, accum=1, max_norm=0.0)
-    backend = SlideDPBackend(cfg, args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    backend = SlideDPBackend(run_config(cfg), args, device=torch.device("cpu"), dp_rank=0, dp_world=1)
     held: list[StorageWeakRef] = []
     pack = BlockOffload.pack
 
@@ -940,7 +943,7 @@ def test_reconfigure_checks_each_knob_against_the_routes_in_force():
     from slidedp.engine import SlideDPBackend
 
     cfg = make_config({"reduction": "cpu"}, accum=1, max_norm=0.0)
-    backend = SlideDPBackend(cfg, get_flavor("qwen3-debug"), device=torch.device("cpu"),
+    backend = SlideDPBackend(run_config(cfg), get_flavor("qwen3-debug"), device=torch.device("cpu"),
                              dp_rank=0, dp_world=1)
     try:
         with pytest.raises(ValueError, match='embedding_update = "gpu" needs'):
@@ -983,7 +986,7 @@ def test_a_large_models_units_are_drawn_at_once_as_drawn_one_by_one(monkeypatch)
 
     monkeypatch.setattr(engine, "PARALLEL_INIT_PARAMS", 0)
     args = get_flavor("qwen3-debug")
-    backend = engine.SlideDPBackend(make_config({}, accum=1, max_norm=1.0), args,
+    backend = engine.SlideDPBackend(run_config(make_config({}, accum=1, max_norm=1.0)), args,
                                     device=torch.device("cpu"), dp_rank=0, dp_world=1)
     try:
         seed = JobConfig().training.seed

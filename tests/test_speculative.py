@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from protocols.model_spec import get_flavor
+from recipes.config import run_config
 from slidedp.config import SlideDPConfig
 from slidedp.host_state import HostStatePlan, host_state_bytes
 from slidedp.layout import StateLayout
@@ -18,7 +19,7 @@ ARGS = get_flavor("qwen3-debug")
 def _train(variant: dict, *, max_norm: float, steps: int = 4):
     from slidedp.engine import SlideDPBackend
 
-    backend = SlideDPBackend(make_config(variant, accum=1, max_norm=max_norm), ARGS,
+    backend = SlideDPBackend(run_config(make_config(variant, accum=1, max_norm=max_norm)), ARGS,
                              device=torch.device("cpu"), dp_rank=0, dp_world=1)
     results = []
     try:
@@ -58,7 +59,7 @@ def test_refused_before_anything_is_allocated(change, accum):
     with pytest.raises(ConfigError, match="speculative_update needs"):
         check_mode_options(cfg, ARGS, world=1)
     with pytest.raises(ValueError, match="speculative_update needs"):
-        SlideDPBackend(cfg, ARGS, device=torch.device("cpu"), dp_rank=0, dp_world=1)
+        SlideDPBackend(run_config(cfg), ARGS, device=torch.device("cpu"), dp_rank=0, dp_world=1)
 
 
 def test_its_host_regions():
