@@ -53,13 +53,6 @@ class Hold:
     def skip(self, route: "GradientReturn", unit: Unit, held) -> None:
         """A skipped step updates nothing: what held the gradient is restored or released."""
 
-    def __eq__(self, other: object) -> bool:
-        # A hold also equals its name: callers that compare names keep working.
-        return self.name == other if isinstance(other, str) else other is self
-
-    def __hash__(self) -> int:
-        return hash(self.name)
-
     def __repr__(self) -> str:
         return self.name
 

@@ -119,7 +119,7 @@ def test_style_sets_routes_layout_and_host_bytes():
                                  max_norm=0.0, nonfinite="off")
     # Updates after the whole backward, from the one shared sum, even without clipping.
     assert updates_deferred(max_norm=0.0, nonfinite="off", reduction="locked")
-    assert plan.hold(n_micro=4, reduction="locked", deferred=True) == "shared_accum"
+    assert plan.hold(n_micro=4, reduction="locked", deferred=True).name == "shared_accum"
     without_lock = HostStatePlan.for_run(base, grad_accum_steps=1, max_norm=0.0, nonfinite="off")
     with pytest.raises(ValueError, match="needs the shared gradient sum"):
         without_lock.hold(n_micro=1, reduction="locked", deferred=True)

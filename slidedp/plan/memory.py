@@ -266,7 +266,7 @@ def slidedp_footprint(config: RunConfig, args: ModelArgs, *, world: int) -> Foot
                      deferred=deferred)
     # Held on the device, the reduced shards of a step wait there for their updates: at most
     # all of them (a unit's next gradient comes after its update), while activations are freed.
-    waiting = layout.total // world * 2 if hold == "device" else 0
+    waiting = layout.total // world * 2 if hold.name == "device" else 0
     # The units the GPU updates (slidedp/gpu_update.py): this rank's shard of their FP32 master
     # and moments, and the update's FP32 and BF16 gradient pieces; resident ones for the whole
     # run with the shard's BF16 copy, the streamed embedding from its prefetch to its update.
