@@ -232,13 +232,15 @@ def test_sections_check_themselves_when_built_in_code():
 
 def test_run_config_is_what_slidedp_reads_of_the_job():
     config = parse_config(["--parallelism.mode=slidedp", "--activation_checkpoint.mode=full",
-                           "--training.seq_len=64", "--training.steps=3", "--optimizer.lr=0.5",
+                           "--training.seq_len=64", "--training.steps=3",
+                           "--training.max_nonfinite_steps=5", "--optimizer.lr=0.5",
                            "--model.kernels=torch", "--slidedp.window_slots=4"])
     run = run_config(config)
     assert (run.mode, run.activation_checkpoint) == ("slidedp", "full")
     assert type(run.model) is RunModel and type(run.training) is RunTraining
     assert run.model == RunModel(kernels="torch")
-    assert run.training == RunTraining(seq_len=64)  # training.steps is the recipes' own
+    # training.steps too (every node must run as many); the guard's count is the recipes' own
+    assert run.training == RunTraining(seq_len=64, steps=3)
     assert run.optimizer.lr == 0.5 and run.slidedp.window_slots == 4
     assert run_config(JobConfig()) == RunConfig(mode="single")
 
