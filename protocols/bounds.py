@@ -1,6 +1,7 @@
 """Config sections that check themselves: a field's type, `Literal` choices and numeric bounds
-(`Annotated[int, at_least(1)]`; a list's, on its item type) sit on the field, and a section that derives from `Checked`
-holds its values to them whenever it is built: from TOML, from tyro's command line, or in code.
+(`Annotated[int, at_least(1)]`; a list's on its item type) sit on the field, and a section that
+derives from `Checked` holds its values to them whenever it is built: from TOML, from tyro's
+command line, or in code.
 Both layers' config sections use it (recipes/config.py, slidedp/config.py)."""
 
 import math
