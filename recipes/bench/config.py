@@ -182,11 +182,11 @@ def build_config(cfg: BenchConfig, route: str) -> BenchConfig:
 def check(cfg: BenchConfig, *, world: int) -> ModelArgs:
     """The model's architecture, after what the bench's settings ask of it and of each other is
     checked: a ConfigError names the key."""
-    b, mode_ = cfg.bench, cfg.parallelism.mode
-    if b.reference and mode_ != "single":
+    b, parallel = cfg.bench, cfg.parallelism.mode
+    if b.reference and parallel != "single":
         raise ConfigError('bench.reference: measures the model resident on each GPU alone; '
-                          f'parallelism.mode must stay "single", got "{mode_}"')
-    if mode_ == "deepspeed" and len(b.accum) > 1:
+                          f'parallelism.mode must stay "single", got "{parallel}"')
+    if parallel == "deepspeed" and len(b.accum) > 1:
         raise ConfigError("bench.accum: deepspeed takes one micro-batch count per build")
     args = resolve_model(cfg)[1]
     try:
