@@ -1,6 +1,7 @@
 """Config sections that check themselves: a field's type, `Literal` choices and numeric bounds
-(`Annotated[int, at_least(1)]`) sit on the field, and a section that derives from `Checked`
-holds its values to them whenever it is built: from TOML, from tyro's command line, or in code.
+(`Annotated[int, at_least(1)]`; a list's on its item type) sit on the field, and a section that
+derives from `Checked` holds its values to them whenever it is built: from TOML, from tyro's
+command line, or in code.
 Both layers' config sections use it (recipes/config.py, slidedp/config.py)."""
 
 import math
@@ -51,6 +52,8 @@ class FieldError(Exception):
 
 
 def _type_name(tp: Any) -> str:
+    if get_origin(tp) is list:
+        return f"a list, each item {_type_name(base_type(get_args(tp)[0]))}"
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(c) for c in get_args(tp))
     if get_origin(tp) in (Union, types.UnionType):
@@ -84,6 +87,12 @@ def field_error(name: str, value: Any, annotation: Any) -> str | None:
     """What `value` breaks of `annotation` (a field's type, its choices, its Bound markers),
     said as the error for the field `name`; None when it keeps them."""
     base = base_type(annotation)
+    if get_origin(base) is list:  # a list's items are held to the item annotation
+        if not isinstance(value, list):
+            return f"{name} must be {_type_name(base)}, got {value!r}"
+        item = get_args(base)[0]
+        return next(filter(None, (field_error(f"{name}[{i}]", v, item)
+                                  for i, v in enumerate(value))), None)
     if not _matches(value, base):
         return f"{name} must be {_type_name(base)}, got {value!r}"
     if isinstance(value, float) and not math.isfinite(value):  # inf passes every bound

@@ -364,42 +364,46 @@ def _with_policy_file(config: JobConfig) -> JobConfig:
 
 
 @contextmanager
-def _keys_named(prefix: str = "") -> Iterator[None]:
-    """A FieldError of a section built inside as one ConfigError naming its section.key."""
+def _keys_named(prefix: str = "", cls: type[JobConfig] = JobConfig) -> Iterator[None]:
+    """A FieldError of a section of `cls` built inside as one ConfigError naming its
+    section.key."""
     try:
         yield
     except FieldError as e:
-        names = {tp: name for name, tp in field_types(JobConfig).items()}
+        names = {tp: name for name, tp in field_types(cls).items()}
         raise ConfigError(f"{prefix}{names[e.owner]}.{e.message}") from None
 
 
-def _unknown_key(section: str, key: str) -> ConfigError:
-    valid = ", ".join(field_types(field_types(JobConfig)[section]))
+def _unknown_key(section: str, key: str, cls: type[JobConfig] = JobConfig) -> ConfigError:
+    valid = ", ".join(field_types(field_types(cls)[section]))
     return ConfigError(f"unknown key {section}.{key} (valid keys: {valid})")
 
 
-def _unknown_section(name: str) -> ConfigError:
+def _unknown_section(name: str, cls: type[JobConfig]) -> ConfigError:
     return ConfigError(f"unknown section [{name}] (valid sections: "
-                       f"{', '.join(field_types(JobConfig))})")
+                       f"{', '.join(field_types(cls))})")
 
 
-def _with_table(section: Any, table: dict[str, Any], *, name: str, prefix: str = "") -> Any:
-    """`section` with a TOML table's keys in place of its own."""
+def _with_table(section: Any, table: dict[str, Any], *, name: str, prefix: str = "",
+                cls: type[JobConfig] = JobConfig) -> Any:
+    """`section` (a section of `cls`) with a TOML table's keys in place of its own."""
     if unknown := [key for key in table if key not in field_types(type(section))]:
-        raise ConfigError(f"{prefix}{_unknown_key(name, unknown[0])}")
-    with _keys_named(prefix):
+        raise ConfigError(f"{prefix}{_unknown_key(name, unknown[0], cls)}")
+    with _keys_named(prefix, cls):
         return dataclasses.replace(section, **table)
 
 
-def _from_toml(path: str) -> JobConfig:
-    sections = field_types(JobConfig)
+def _from_toml(path: str, cls: type[JobConfig]) -> JobConfig:
+    """`cls`'s defaults with the file's tables in place of their keys."""
+    defaults, sections = cls(), field_types(cls)
     for name, table in (data := _load_toml(path)).items():
         if name not in sections:
-            raise ConfigError(f"{path}: {_unknown_section(name)}")
+            raise ConfigError(f"{path}: {_unknown_section(name, cls)}")
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: {name} must be a [{name}] table, got {table!r}")
-    return JobConfig(**{name: _with_table(sections[name](), table, name=name, prefix=f"{path}: ")
-                        for name, table in data.items()})
+    return dataclasses.replace(defaults, **{
+        name: _with_table(getattr(defaults, name), table, name=name, prefix=f"{path}: ", cls=cls)
+        for name, table in data.items()})
 
 
 @cache
@@ -446,40 +450,40 @@ def _flag_key(arg: str) -> tuple[str, str]:
     return section, key
 
 
-def _is_bool(section: str, key: str) -> bool:
-    section_type = field_types(JobConfig).get(section)
+def _is_bool(section: str, key: str, cls: type[JobConfig]) -> bool:
+    section_type = field_types(cls).get(section)
     return section_type is not None and base_type(field_types(section_type).get(key)) is bool
 
 
-def _flag_form(arg: str) -> str:
+def _flag_form(arg: str, cls: type[JobConfig]) -> str:
     """`--section.key=true|false` of a bool field as tyro's flag (`--section.key` or
     `--section.no_key`); any other argument as it is."""
     (section, key), (_, eq, text) = _flag_key(arg), arg.partition("=")
     plain = key.removeprefix("no_")
-    if not (eq and arg.startswith("--") and _is_bool(section, plain)):
+    if not (eq and arg.startswith("--") and _is_bool(section, plain, cls)):
         return arg
     if plain != key or text.lower() not in ("true", "false"):
         raise ConfigError(f"{section}.{plain} must be true or false, got {arg!r}")
     return f"--{section}.{'no_' if text.lower() == 'false' else ''}{plain}"
 
 
-def _unexpected(arg: str) -> ConfigError:
+def _unexpected(arg: str, cls: type[JobConfig]) -> ConfigError:
     """The error for an argument tyro left over."""
     section, key = _flag_key(arg)
     if not (arg.startswith("--") and key):
         return ConfigError(f"unexpected argument {arg!r} (flags are --section.key=value)")
-    if section not in field_types(JobConfig):
-        return _unknown_section(section)
-    return _unknown_key(section, key)
+    if section not in field_types(cls):
+        return _unknown_section(section, cls)
+    return _unknown_key(section, key, cls)
 
 
-def _refused(args: list[str]) -> ConfigError:
+def _refused(args: list[str], cls: type[JobConfig]) -> ConfigError:
     """The error for flags tyro refuses, which (values that do not parse it passes on) is a
     flag without its value."""
     for arg, following in zip(args, [*args[1:], "--"]):
         section, key = _flag_key(arg)
         if (arg.startswith("--") and "=" not in arg and following.startswith("--")
-                and not _is_bool(section, key.removeprefix("no_"))):
+                and not _is_bool(section, key.removeprefix("no_"), cls)):
             return ConfigError(f"{section}.{key}: no value given (--{section}.{key}=VALUE)")
     return ConfigError(f"the flags do not parse: {' '.join(args)}")
 
@@ -488,18 +492,19 @@ def _with_flags(base: JobConfig, args: list[str]) -> JobConfig:
     """`base` with the flags applied, as tyro parses them (--help: tyro's help, then exit)."""
     import tyro
 
+    cls = type(base)
     helping = "-h" in args or "--help" in args
-    args = [_flag_form(arg) for arg in args]
+    args = [_flag_form(arg, cls) for arg in args]
     try:
-        config, unknown = tyro.cli(JobConfig, args=args, default=base, registry=_registry(),
+        config, unknown = tyro.cli(cls, args=args, default=base, registry=_registry(),
                                    use_underscores=True, console_outputs=helping,
                                    return_unknown_args=True)
     except SystemExit as e:
         if helping or e.code == 0:
             raise
-        raise _refused(args) from None
+        raise _refused(args, cls) from None
     if unknown:
-        raise _unexpected(unknown[0])
+        raise _unexpected(unknown[0], cls)
     return config
 
 
@@ -513,12 +518,13 @@ def _config_file_arg(args: list[str]) -> str | None:
     return None if path == "None" else path
 
 
-def parse_config(args: list[str]) -> JobConfig:
+def parse_config(args: list[str], cls: type[JobConfig] = JobConfig) -> JobConfig:
     """Defaults < TOML (--job.config_file) < flags; raises ConfigError on any mistake, before
-    any work starts."""
+    any work starts. `cls`: JobConfig, or a recipe's extension of it with sections of its own
+    (as torchtitan's custom config modules extend theirs)."""
     path = _config_file_arg(args)
-    with _keys_named():
-        config = _with_flags(JobConfig() if path is None else _from_toml(path), args)
+    with _keys_named(cls=cls):
+        config = _with_flags(cls() if path is None else _from_toml(path, cls), args)
     config = _with_policy_file(config)
     _check_paths(config)
     _check_combinations(config)

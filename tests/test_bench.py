@@ -14,8 +14,10 @@ import pytest
 
 from recipes.bench import headline, throughput
 from recipes.bench.rows import training
-from recipes.bench.throughput import point_specs, report
+from recipes.bench.config import parse_bench_config, point_specs, points, routes
+from recipes.bench.report import report
 from recipes.bench.timeline import breakdown
+from recipes.config import ConfigError, parse_config
 from tests.conftest import REPO, free_port, subprocess_env
 
 TRAINED = training([6.2, 6.1], [3.0, 2.9], [False, False])
@@ -84,8 +86,48 @@ def test_point_specs_take_per_point_block_policies():
                      ("segments(qkv+mlp_up)", "0:keep", [8])]
 
 
-TINY = ["--kernels", "torch", "--flavor", "qwen3-debug", "--seq", "32", "--max-norm", "1.0",
-        "--warmup", "0", "--no-memory-check"]
+def test_the_bench_reads_the_trainers_config_with_its_own_bench_section(tmp_path):
+    """A config file's [bench] and trainer sections, flags over them (the last wins), and the
+    sweep's points in the order measured; the trainer's own parser refuses [bench]."""
+    path = tmp_path / "bench.toml"
+    path.write_text('[parallelism]\nmode = "slidedp"\n[model]\nflavor = "qwen3-debug"\n'
+                    '[bench]\nbatches = [1, 2]\nupdate_orders = ["arrival", "next_use"]\n'
+                    'label = "from-file"\n')
+    config, args = parse_bench_config([f"--job.config_file={path}", "--bench.cpu_threads", "0",
+                                       "4", "--bench.label=sweep", "--bench.batches", "4",
+                                       "--bench.batches", "2", "8"])
+    assert config.bench.label == "sweep" and config.bench.batches == [2, 8]
+    assert config.training.seq_len == 4096  # the bench's default
+    assert args.n_layers == 4
+    assert [(p.batch, p.update_order, p.cpu_threads) for p in points(config)] == [
+        (b, order, t) for b in (2, 8) for order in ("arrival", "next_use") for t in (0, 4)]
+    assert routes(config) == ["sharded/gpu"]
+    with pytest.raises(ConfigError, match=r"unknown section \[bench\]"):
+        parse_config([f"--job.config_file={path}"])
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--bench.batches", "0"], "bench.batches[0] must be >= 1, got 0"),
+    (["--bench.update_orders", "first"], "bench.update_orders[0] must be one of 'next_use', "
+                                         "'arrival', got 'first'"),
+    (["--bench.points", "keep"], "bench.points: 'keep': expected POLICY[|BLOCKS]:B1,B2,..."),
+    (["--bench.reference", "--parallelism.mode=fsdp2"], 'parallelism.mode must stay "single"'),
+    (["--parallelism.mode=deepspeed", "--bench.accum", "1", "2"],
+     "bench.accum: deepspeed takes one"),
+    (["--batches", "4"], "unexpected argument '--batches' (flags are --section.key=value)"),
+])
+def test_a_bad_bench_setting_is_one_error_line_and_exit_2_before_any_work(tmp_path, flags, error):
+    proc = subprocess.run([sys.executable, "-m", "recipes.bench.throughput", *flags,
+                           f"--bench.out={tmp_path / 'runs.jsonl'}"],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and error in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: ") and not (tmp_path / "runs.jsonl").exists()
+
+
+TINY = ["--model.kernels=torch", "--model.flavor=qwen3-debug", "--training.seq_len=32",
+        "--training.max_norm=1.0", "--bench.warmup=0", "--slidedp.check_host_memory=false"]
 """The bench on the CPU debug model, one rank."""
 
 
@@ -94,18 +136,19 @@ def _bench(flags: list[str], out) -> list[dict]:
     env = dict(subprocess_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     proc = subprocess.run([sys.executable, "-m", "recipes.bench.throughput", *TINY, *flags,
-                           "--out", str(out)],
+                           f"--bench.out={out}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def test_trace_dir_is_made_and_each_point_gets_its_own_trace(tmp_path):
-    """--trace-dir that does not exist yet: the bench makes it, and two points at the same batch
-    each write their own profiled step (and report its time in their row)."""
+    """bench.trace_dir that does not exist yet: the bench makes it, and two points at the same
+    batch each write their own profiled step (and report its time in their row)."""
     traces = tmp_path / "new" / "traces"
-    rows = _bench(["--mode", "slidedp", "--steps", "1", "--points", "selective:2",
-                   "selective|0-1:keep:2", "--trace-dir", str(traces), "--trace-batch", "2"],
+    rows = _bench(["--parallelism.mode=slidedp", "--training.steps=1", "--bench.points",
+                   "selective:2", "selective|0-1:keep:2", f"--bench.trace_dir={traces}",
+                   "--bench.trace_batch=2"],
                   tmp_path / "runs.jsonl")
     assert sorted(p.name for p in traces.iterdir()) == [
         "slidedp_sharded-gpu_p0_b2x1.json.gz", "slidedp_sharded-gpu_p1_b2x1.json.gz"]
@@ -119,7 +162,8 @@ def test_each_row_records_what_its_timed_steps_trained(mode, tmp_path):
     """Every mode's row: per timed step a finite loss near ln(vocab) (random weights), a finite
     gradient norm and no skipped update, so the row is valid and the report reads it."""
     out = tmp_path / "runs.jsonl"
-    rows = _bench(["--mode", mode, "--batches", "1,2", "--steps", "2"], out)
+    flags = ["--bench.reference"] if mode == "reference" else [f"--parallelism.mode={mode}"]
+    rows = _bench([*flags, "--bench.batches", "1", "2", "--training.steps=2"], out)
     assert len(rows) == 2
     for r in rows:
         assert len(r["loss"]) == len(r["grad_norm"]) == len(r["skipped"]) == 2
@@ -158,8 +202,9 @@ def test_a_row_whose_step_did_not_train_is_written_invalid_and_fails_the_bench(
     reason, and the bench exits non-zero after the last; the report refuses the file."""
     _poison_step(monkeypatch, call=2, **fault)
     out = tmp_path / "runs.jsonl"
-    monkeypatch.setattr(sys, "argv", ["throughput", "--mode", "slidedp", *TINY, "--batches",
-                                      "1,2", "--steps", "2", "--out", str(out)])
+    monkeypatch.setattr(sys, "argv", ["throughput", "--parallelism.mode=slidedp", *TINY,
+                                      "--bench.batches", "1", "2", "--training.steps=2",
+                                      f"--bench.out={out}"])
     with pytest.raises(SystemExit) as failed:
         throughput.main()
     assert failed.value.code not in (None, 0)
@@ -215,7 +260,8 @@ def test_headline_is_the_median_of_launches_and_refuses_rows_that_did_not_train(
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = {line.split(" | ")[5]: line for line in headline.table(rows).splitlines()[2:]}
     assert "| 3 | 1,300 | 1,100-1,500 |" in lines["2"] and "| 1 | 900 | 900-900 |" in lines["1"]
-    assert headline.best_point(str(out), mode="fsdp2", label="sweep") == "--ac none --batches 2"
+    assert headline.best_point(str(out), mode="fsdp2", label="sweep") == (
+        "--activation_checkpoint.mode=none --bench.batches 2")
     second = tmp_path / "call2_runs.jsonl"  # another call of the start: its own launch 1
     second.write_text(json.dumps(row(1, 1, 700.0)) + "\n")
     monkeypatch.setattr(sys, "argv", ["headline", str(out), str(second)])

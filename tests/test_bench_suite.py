@@ -4,8 +4,10 @@ sweep's fastest point, a failing correctness stage measures nothing, a launch pa
 killed (every descendant too) and the suite goes on, and every shipped suite file parses and
 prints its commands."""
 
+import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -14,9 +16,12 @@ from pathlib import Path
 import pytest
 
 from recipes.bench import suite
+from recipes.bench.config import BenchConfig, check, mode
+from recipes.config import ConfigError, parse_config
 from tests.conftest import REPO, subprocess_env
 
-CPU = "--kernels torch --flavor qwen3-debug --seq 64 --warmup 0 --steps 1 --no-memory-check"
+CPU = ("--model.kernels=torch --model.flavor=qwen3-debug --training.seq_len=64 --bench.warmup=0 "
+       "--training.steps=1 --slidedp.check_host_memory=false")
 """--extra: any bench launch of a suite on the CPU debug model."""
 
 
@@ -46,7 +51,8 @@ def test_a_sweep_then_its_fastest_point_relaunched_gives_rows_of_every_launch(tm
         description = "a sweep and its peak"
         [[workload]]
         name = "sweep"
-        flags = "--mode fsdp2 --ac none --label sweep --batches 1,2"
+        flags = ["--parallelism.mode=fsdp2", "--activation_checkpoint.mode=none",
+                 "--bench.label=sweep", "--bench.batches", "1", "2"]
         launches = 1
         peak = {launches = 2}
         """)
@@ -57,7 +63,8 @@ def test_a_sweep_then_its_fastest_point_relaunched_gives_rows_of_every_launch(tm
     assert [r["launch"] for r in rows] == [1, 1, 2]
     fastest = max(rows[:2], key=lambda r: r["tokens_per_s"])["local_batch"]
     assert rows[2]["local_batch"] == fastest
-    assert f"the fastest point is --ac none --batches {fastest}" in proc.stdout
+    assert (f"the fastest point is --activation_checkpoint.mode=none --bench.batches {fastest}"
+            in proc.stdout)
     assert "[suite] tiny/sweep peak launch 2: rc 0" in proc.stdout
     table = proc.stdout[proc.stdout.index("| mode | label |"):]
     at_peak = next(line for line in table.splitlines() if f"| none | {fastest} |" in line)
@@ -174,18 +181,49 @@ def test_every_shipped_suite_parses_and_prints_its_commands(tmp_path):
         if name != "done":
             assert "python" in text or "skipped" in text, name
     assert "skipped, needs" not in out  # 8 ranks: every launch of every suite is printed
-    assert "--launch 3" in named["headline_4b"] and "--nproc_per_node=2" in named["multi_gpu_8b"]
-    assert all(f"--batches {b}" in named["strong_scaling_14b"] for b in (32, 64))
+    assert "--bench.launch=3" in named["headline_4b"]
+    assert "--nproc_per_node=2" in named["multi_gpu_8b"]
+    assert all(f"--bench.batches {b}" in named["strong_scaling_14b"] for b in (32, 64))
     assert named["million_tokens"].count("recipes.bench.throughput") == 1  # the first that fits
     assert "castcopy_x8.json" in named["cast_copy"]
     assert "PYTORCH_CUDA_ALLOC_CONF" in named["long_context"]
     assert not (tmp_path / "out").exists()
 
 
+def test_every_bench_launch_of_every_shipped_suite_parses_with_the_benchs_parser(tmp_path,
+                                                                                 capsys):
+    """Each bench command that --dry-run prints for the shipped suites (8 ranks), read by the
+    bench's own parser as at launch (with the CPU's kernels in place of Liger's): every flag is a
+    trainer key or a [bench] key with a value it takes, and the settings agree with each other
+    and with the model (DeepSpeed's are only parsed where the package is missing)."""
+    sets = ["--set", "predicted=predicted.jsonl", "--set", "ds_wheels=/wheels"]
+    assert suite.main([str(tmp_path / "out"), *SHIPPED, "--dry-run", "--ngpu", "8", *sets]) == 0
+    lines = [line.partition("   # limit")[0] for line in capsys.readouterr().out.splitlines()
+             if suite.BENCH in line]
+    assert len(lines) > 100
+    deepspeed = importlib.util.find_spec("deepspeed") is not None
+    modes = set()
+    for line in lines:
+        cmd = shlex.split(line)
+        ranks = [int(a.partition("=")[2]) for a in cmd if a.startswith("--nproc_per_node=")]
+        # A peak's relaunch names its point by a placeholder until the sweep has run.
+        flags = [*(a for a in cmd[cmd.index(suite.BENCH) + 1:] if not a.startswith("<")),
+                 "--model.kernels=torch"]
+        try:
+            config = parse_config(flags, BenchConfig)
+            if config.parallelism.mode != "deepspeed" or deepspeed:
+                check(config, world=ranks[0] if ranks else 1)
+        except ConfigError as e:
+            pytest.fail(f"{line}: {e}")
+        assert config.bench.out == str(tmp_path / "out" / "runs.jsonl") or "--bench.out" in line
+        modes.add(mode(config))
+    assert modes == {"slidedp", "fsdp2", "deepspeed", "reference"}
+
+
 @pytest.mark.parametrize("text, error", [
-    ('[[workload]]\nname = "a"\nflags = "--points ${nowhere}"\n', "${nowhere} is not set"),
+    ('[[workload]]\nname = "a"\nflags = "--bench.points ${nowhere}"\n', "${nowhere} is not set"),
     ('[[workload]]\nname = "a"\nlimits = 3\n', "unknown key 'limits'"),
-    ('[[workload]]\nflags = "--mode fsdp2"\n', "no name"),
+    ('[[workload]]\nflags = "--parallelism.mode=fsdp2"\n', "no name"),
 ])
 def test_a_suite_that_cannot_run_as_written_is_refused_before_anything_runs(tmp_path, text, error):
     bad = _suite(tmp_path / "bad.toml", text)

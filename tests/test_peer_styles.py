@@ -162,7 +162,7 @@ def test_megatrain_updates_after_the_whole_backward_and_before_the_step_returns(
 
 
 def test_bench_compares_the_styles(tmp_path):
-    """recipes/bench/throughput.py --runtime, through the head-to-head experiment on 2 CPU ranks
+    """recipes/bench/throughput.py --slidedp.runtime, through the head-to-head experiment on 2 CPU ranks
     (its end-to-end check: tests/test_reproduce.py): each style runs its own routes, its rows
     name it and its host bytes, and the experiment divides SlideDP's throughput by each style's."""
     import csv

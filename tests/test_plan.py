@@ -208,10 +208,11 @@ def test_the_plan_stage_entry_points_on_the_debug_model(tmp_path):
     run("recipes.bench.model_check", "predict", "--rates", str(rates), "--flavor", "qwen3-debug",
         "--seq", "64", "--points", *points, "--out", str(predicted))
     assert predicted.read_text().count('"predicted_s"') == 4
-    run("recipes.bench.throughput", "--mode", "slidedp", "--kernels", "torch", "--max-norm", "0",
-        "--no-memory-check", "--warmup", "1", "--steps", "1", "--flavor", "qwen3-debug", "--seq",
-        "64", "--points", *points, "--autopolicy", "2", "--autopolicy-steps", "2",
-        "--autopolicy-candidates", "keep, selective", "--out", str(runs))
+    run("recipes.bench.throughput", "--parallelism.mode=slidedp", "--model.kernels=torch",
+        "--training.max_norm=0", "--slidedp.check_host_memory=false", "--bench.warmup=1",
+        "--training.steps=1", "--model.flavor=qwen3-debug", "--training.seq_len=64",
+        "--bench.points", *points, "--bench.autopolicy_batch=2", "--bench.autopolicy_steps=2",
+        "--slidedp.autopolicy_candidates=keep, selective", f"--bench.out={runs}")
     assert (tmp_path / "policy_qwen3-debug_b2.toml").is_file()
     table = run("recipes.bench.model_check", "compare", str(predicted), str(runs))
     rows = [line for line in table.splitlines() if line.startswith("| runs |")]

@@ -115,7 +115,8 @@ def test_long_context_warms_up_only_the_short_lengths(monkeypatch, tmp_path, war
     seen = []
 
     def bench(self, flags, *, nproc, label="", common=True):
-        seen.append((int(flags[flags.index("--seq") + 1]), self.args.warmup))
+        seq = next(f for f in flags if f.startswith("--training.seq_len="))
+        seen.append((int(seq.partition("=")[2]), self.args.warmup))
         return []
 
     monkeypatch.setattr(common.Runner, "bench", bench)
@@ -163,11 +164,14 @@ def test_scaling_efficiency():
 
 
 def test_recorded_rows_are_those_of_the_named_batches():
-    """--rows takes a launch's rows at the batches its flags name, from --batches or from the
-    batch list ending each --points spec (one file may hold a policy's rows at other batches)."""
+    """--rows takes a launch's rows at the batches its flags name, from bench.batches (the last
+    given) or from the batch list ending each bench.points entry (one file may hold a policy's
+    rows at other batches)."""
     from recipes.reproduce.common import _named_batches
 
-    assert _named_batches(["--mode", "slidedp", "--batches", "1,4"]) == {1, 4}
-    assert _named_batches(["--points", "keep:4,16", "recompute:8", "--label", "x"]) == {4, 8, 16}
-    assert _named_batches(["--points", "selective|0-13:keep:16"]) == {16}
-    assert _named_batches(["--mode", "slidedp"]) is None
+    assert _named_batches(["--parallelism.mode=slidedp", "--bench.batches", "1", "4"]) == {1, 4}
+    assert _named_batches(["--bench.batches", "2", "--bench.batches=8"]) == {8}
+    assert _named_batches(["--bench.points", "keep:4,16", "recompute:8", "--bench.label=x"]) == {
+        4, 8, 16}
+    assert _named_batches(["--bench.points", "selective|0-13:keep:16"]) == {16}
+    assert _named_batches(["--parallelism.mode=slidedp"]) is None

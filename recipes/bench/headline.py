@@ -7,11 +7,10 @@ invocation: two calls of one machine start, each with its own launch 1, are two 
   python -m recipes.bench.headline RUNS.jsonl [RUNS.jsonl ...]   # the markdown table
 """
 
-import argparse
 import statistics
 from collections import defaultdict
 
-from recipes.bench.rows import read_rows
+from recipes.bench.rows import read_rows, row_files
 
 POINT = ("mode", "label", "flavor", "route", "kernels", "ac", "activation_blocks", "keep_blocks",
          "slots", "embedding_update", "runtime", "world", "seq", "local_batch", "accum",
@@ -44,7 +43,7 @@ def best_point(path: str, *, mode: str, label: str) -> str:
     if not rows:
         raise SystemExit(f"error: {path}: no {mode} row labelled {label!r}")
     best = max(rows, key=lambda r: r["tokens_per_s"])
-    return f"--ac {best['ac']} --batches {best['local_batch']}"
+    return f"--activation_checkpoint.mode={best['ac']} --bench.batches {best['local_batch']}"
 
 
 def table(rows: list[dict]) -> str:
@@ -64,11 +63,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("rows", nargs="+", help="bench JSONL files")
-    a = p.parse_args()
-    print(table([row | {"source": path} for path in a.rows for row in read_rows(path)]))
+    print(table([row | {"source": path} for path in row_files(__doc__)
+                 for row in read_rows(path)]))
 
 
 if __name__ == "__main__":

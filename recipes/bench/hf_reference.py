@@ -7,7 +7,7 @@ Random weights built on the GPU in BF16 from our flavor's config.json (models/hf
 forward + backward with the model's own loss (liger's fused linear + cross-entropy when patched),
 gradients dropped each step as in recipes/bench/throughput.py's reference; the median of `--steps`
 after `--warmup`. Rows have mode "hf" and the same columns as throughput.py's, so
-`python -m recipes.bench.throughput --report` puts them in one table; as there, each records its
+`python -m recipes.bench.report` puts them in one table; as there, each records its
 timed steps' losses and gradient norms (recipes/bench/rows.py), and the bench exits non-zero
 after its last row when one is invalid.
 """

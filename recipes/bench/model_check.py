@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import get_args
 
 from recipes.bench.rows import emit
-from recipes.bench.throughput import point_specs, system_name
+from recipes.bench.config import point_specs
+from recipes.bench.report import system_name
 from recipes.config import JobConfig, resolve_model, run_config
 from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.host_state import updates_deferred

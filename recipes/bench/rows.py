@@ -6,6 +6,7 @@ if every one of them trained. The bench writes every row, the invalid ones too (
 and exits non-zero after the last (`exit_if_invalid`); whatever reads rows for a figure reads
 them through `read_rows`, which refuses invalid rows and rows that lack the record."""
 
+import argparse
 import json
 import math
 import os
@@ -15,6 +16,14 @@ TRAINING = ("loss", "grad_norm", "skipped", "valid")
 """The training record of a throughput row: per timed step, in order, the loss per target
 token, the gradient norm before clipping and whether the update was skipped; then the verdict
 (`invalid_reason` beside it says why not)."""
+
+def row_files(doc: str) -> list[str]:
+    """The JSONL files named on the command line of a tool that tables rows (`doc`: its help)."""
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("rows", nargs="+", help="bench JSONL files")
+    return p.parse_args().rows
+
 
 ROW_KEY = ("mode", "label", "flavor", "route", "ac", "world", "seq", "local_batch", "accum")
 """What names a row in an error (the point it measured)."""

@@ -29,10 +29,10 @@ A suite file:
 
     [[workload]]
     name = "reference"
-    flags = "--mode reference --ac none --batches 4"   # the base flags
+    flags = "--bench.reference --activation_checkpoint.mode=none --bench.batches 4"  # base flags
     limit = 60                     # seconds per launch; skipped when less is left of the deadline
-    launches = 3                   # launches of each variant, each passing --launch i
-    variants = ["--label a", {flags = "--label b", launches = 1}]
+    launches = 3                   # launches of each variant, each passing --bench.launch i
+    variants = ["--bench.label a", {flags = "--bench.label b", launches = 1}]
 
 A workload is its base flags and a list of variants, each an override set: a string or list of
 flags appended to the base flags (later flags win), or a table whose keys replace the
@@ -41,17 +41,19 @@ of flags is split as a shell would, after ${NAME} substitution; a list is taken 
 Workload keys:
 
 - `module`: what runs, `python -m MODULE FLAGS`; the default, recipes.bench.throughput (the
-  bench), runs under torchrun on every rank with `--out OUT_DIR/runs.jsonl` and `--extra` last.
+  bench: the trainer's `--section.key=value` flags and its [bench] section,
+  recipes/bench/config.py), runs under torchrun on every rank with `--bench.out
+  OUT_DIR/runs.jsonl` first and `--extra` last.
   `code` runs `python -c CODE` instead; `torchrun = true` runs a module on the ranks too.
 - `ngpu`: the ranks (default: every GPU, or --ngpu); a list runs the variants once per count.
   A count above the machine's is skipped with a line. `first_fitting = true`: only the first
   variant whose count fits.
-- `global_batch`: appends `--batches GLOBAL/RANKS`.
-- `largest = [B1, B2, ...]`: tries `--batches B` in order until one launch succeeds (an
+- `global_batch`: appends `--bench.batches GLOBAL/RANKS`.
+- `largest = [B1, B2, ...]`: tries `--bench.batches B` in order until one launch succeeds (an
   out-of-memory rank can leave its peer waiting in a collective: hence the limit on each try).
 - `peak = {launches = N, limit = S}`: after the variants (a sweep, rows labelled with the
-  base flags' --label), launches the fastest point (recipes.bench.headline.best_point of the
-  base flags' --mode and --label) N-1 more times, as launches 2..N: a peer's peak, as a median.
+  base flags' --bench.label), launches the fastest point (recipes.bench.headline.best_point of
+  the base flags' mode and label) N-1 more times, as launches 2..N: a peer's peak, as a median.
 - `env`: environment variables for its launches. `show = true`: its output goes to stdout too.
 - `capture = "NAME"`, `default = VALUE`: the last line of its output becomes ${NAME} for later
   workloads (the default if it fails or is cut).
@@ -345,7 +347,7 @@ class Runner:
             head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={nproc}", "-m", module]
         if bench:
-            return [*head, "--out", str(self.out / "runs.jsonl"), *args, *self.extra]
+            return [*head, f"--bench.out={self.out / 'runs.jsonl'}", *args, *self.extra]
         return [*head, *args]
 
     def launch(self, what: str, cmd: list[str], *, limit: float | None, env: dict,
@@ -447,12 +449,12 @@ class Runner:
         names = {"nproc": nproc, **self.captured}
         args = [*_flags(step["flags"], names), *extra]
         if "global_batch" in step:
-            args += ["--batches", str(int(step["global_batch"]) // nproc)]
+            args += ["--bench.batches", str(int(step["global_batch"]) // nproc)]
         env = {k: Template(str(v)).safe_substitute(names) for k, v in step.get("env", {}).items()}
         if "launches" in step and launch_numbers is None:
             launch_numbers = range(1, int(step["launches"]) + 1)
         for i in launch_numbers or [None]:
-            tail = [] if i is None else ["--launch", str(i)]
+            tail = [] if i is None else [f"--bench.launch={i}"]
             label = what if i is None else f"{what} launch {i}"
             sizes = step.get("largest")
             if sizes:
@@ -468,7 +470,7 @@ class Runner:
         """The first of `sizes` whose launch succeeds: its status (the last one's if none)."""
         rc = None
         for b in sizes:
-            cmd = self.command(step, [*args, "--batches", str(b)], nproc)
+            cmd = self.command(step, [*args, "--bench.batches", str(b)], nproc)
             rc = self.launch(f"{label} batch {b}", cmd, limit=step.get("limit"), env=env)
             if rc in (0, None):
                 return rc
@@ -500,10 +502,13 @@ class Runner:
         from recipes.bench.headline import best_point
 
         base = _flags(w.get("flags"))
-        mode, label = flag_value(base, "--mode"), flag_value(base, "--label") or ""
+        mode = ("reference" if "--bench.reference" in base
+                else flag_value(base, "--parallelism.mode") or "single")
+        label = flag_value(base, "--bench.label") or ""
         peak, what = w["peak"], f"{w['suite']}/{w['name']} peak"
         if self.dry_run:
-            best = [f"<--ac and --batches of the fastest {mode} row labelled {label}>"]
+            best = [f"<activation_checkpoint.mode and bench.batches of the fastest {mode} row "
+                    f"labelled {label}>"]
         else:
             try:
                 best = shlex.split(best_point(str(self.out / "runs.jsonl"), mode=mode, label=label))
@@ -595,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="ranks per launch (default: NGPU, else every GPU, else 1: a CPU check)")
     p.add_argument("--extra", default="",
                    help="flags appended to every bench launch (later flags win), e.g. a CPU check: "
-                        "'--kernels torch --flavor qwen3-debug --seq 64 --warmup 0 --steps 1'")
+                        "'--model.kernels=torch --model.flavor=qwen3-debug "
+                        "--training.seq_len=64 --bench.warmup=0 --training.steps=1'")
     p.add_argument("--correctness", default="correctness",
                    help="the suite run first, whose failure stops the invocation")
     p.add_argument("--dry-run", action="store_true", help="print every command, run none")

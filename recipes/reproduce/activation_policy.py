@@ -46,8 +46,9 @@ def main() -> None:
         order = ["recompute", "selective", "keep"]
         policies = sorted(args.policies.split(","), key=lambda p: order.index(p) if p in order else -1)
         points = [f"{policy}:{args.batches}" for policy in policies]
-        for row in runner.bench(["--mode", "slidedp", "--keep-blocks", str(args.keep_blocks),
-                                 "--points", *points], nproc=nproc, label="slidedp"):
+        for row in runner.bench(["--parallelism.mode=slidedp",
+                                 f"--slidedp.keep_blocks={args.keep_blocks}",
+                                 "--bench.points", *points], nproc=nproc, label="slidedp"):
             policy = row["ac"] + (f"+keep{args.keep_blocks}" if args.keep_blocks else "")
             rows.append({**row, "system": "slidedp", "policy": policy})
     for row in runner.sweep(select_systems(args.systems), args.batches, nproc=nproc):

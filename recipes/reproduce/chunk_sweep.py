@@ -38,9 +38,10 @@ def main() -> None:
                    tiny={"chunks": "0.25,1", "batch": 1})
     rows = []
     for chunk in args.chunks.split(","):
-        for row in runner.bench(["--mode", "slidedp", "--activation", args.activation,
-                                 "--routes", args.route, "--chunk-mib", chunk,
-                                 "--batches", str(args.batch)],
+        for row in runner.bench(["--parallelism.mode=slidedp",
+                                 f"--slidedp.activation={args.activation}",
+                                 "--bench.routes", args.route, f"--slidedp.chunk_mib={chunk}",
+                                 f"--bench.batches={args.batch}"],
                                 nproc=runner.nproc(), label=f"chunk{chunk}"):
             rows.append({**row, "chunk_mib": float(chunk)})
     write_outputs(runner, rows, COLUMNS, title="Chunk-size sweep", paper=PAPER, plot=plot)

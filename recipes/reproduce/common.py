@@ -36,44 +36,45 @@ RESULTS = Path("docs/results")
 @dataclass(frozen=True)
 class System:
     """A peer as the bench runs it: `family` groups a system's own options (a peer's peak is its
-    best over them), `flags` are recipes/bench/throughput.py's."""
+    best over them), `flags` are recipes/bench/throughput.py's (recipes/bench/config.py)."""
 
     name: str
     family: str
     flags: tuple[str, ...]
 
 
+SLIDEDP, FSDP2 = "--parallelism.mode=slidedp", "--parallelism.mode=fsdp2"
+DEEPSPEED, REFERENCE = "--parallelism.mode=deepspeed", "--bench.reference"
 SYSTEMS: dict[str, System] = {s.name: s for s in [
-    System("slidedp-recompute", "slidedp", ("--mode", "slidedp", "--activation", "recompute")),
-    System("slidedp-selective", "slidedp", ("--mode", "slidedp", "--activation", "selective")),
-    System("slidedp-keep", "slidedp", ("--mode", "slidedp", "--activation", "keep")),
+    System("slidedp-recompute", "slidedp", (SLIDEDP, "--slidedp.activation=recompute")),
+    System("slidedp-selective", "slidedp", (SLIDEDP, "--slidedp.activation=selective")),
+    System("slidedp-keep", "slidedp", (SLIDEDP, "--slidedp.activation=keep")),
     # The embedding's AdamW on the GPU (slidedp.embedding_update): with clipping, its update is
     # the first the next forward waits for.
-    System("slidedp-keep-gpuembed", "slidedp", ("--mode", "slidedp", "--activation", "keep",
-                                                "--embedding-update", "gpu")),
+    System("slidedp-keep-gpuembed", "slidedp", (SLIDEDP, "--slidedp.activation=keep",
+                                                "--slidedp.embedding_update=gpu")),
     # A keep/selective mix sized for 16 sequences of Qwen3-4B (14 kept blocks of 6.9 GiB each),
     # where `keep` everywhere does not fit.
     System("slidedp-selective-keep14-gpuembed", "slidedp",
-           ("--mode", "slidedp", "--activation", "selective", "--keep-blocks", "14",
-            "--embedding-update", "gpu")),
-    System("fsdp2-none", "fsdp2", ("--mode", "fsdp2", "--ac", "none")),
-    System("fsdp2-selective", "fsdp2", ("--mode", "fsdp2", "--ac", "selective")),
-    System("fsdp2-full", "fsdp2", ("--mode", "fsdp2", "--ac", "full")),
-    System("fsdp2-offload", "fsdp2-offload", ("--mode", "fsdp2", "--ac", "full",
-                                              "--fsdp-cpu-offload")),
-    System("zero2-offload", "zero-offload", ("--mode", "deepspeed", "--zero-stage", "2",
-                                             "--ac", "full")),
-    System("zero2-offload-noac", "zero-offload", ("--mode", "deepspeed", "--zero-stage", "2",
-                                                  "--ac", "none")),
-    System("zero3-offload", "zero3-offload", ("--mode", "deepspeed", "--zero-stage", "3",
-                                              "--ac", "full")),
+           (SLIDEDP, "--slidedp.activation=selective", "--slidedp.keep_blocks=14",
+            "--slidedp.embedding_update=gpu")),
+    *(System(f"fsdp2-{ac}", "fsdp2", (FSDP2, f"--activation_checkpoint.mode={ac}"))
+      for ac in ("none", "selective", "full")),
+    System("fsdp2-offload", "fsdp2-offload", (FSDP2, "--activation_checkpoint.mode=full",
+                                              "--parallelism.fsdp_cpu_offload")),
+    System("zero2-offload", "zero-offload", (DEEPSPEED, "--deepspeed.zero_stage=2",
+                                             "--activation_checkpoint.mode=full")),
+    System("zero2-offload-noac", "zero-offload", (DEEPSPEED, "--deepspeed.zero_stage=2",
+                                                  "--activation_checkpoint.mode=none")),
+    System("zero3-offload", "zero3-offload", (DEEPSPEED, "--deepspeed.zero_stage=3",
+                                              "--activation_checkpoint.mode=full")),
     # The paper's peers SlideFormer and MegaTrain, re-implemented as policies of the SlideDP
     # runtime (slidedp/peer_styles.py), with the same activation policies.
-    *(System(f"{runtime}-{policy}", runtime, ("--mode", "slidedp", "--runtime", runtime,
-                                              "--activation", policy))
+    *(System(f"{runtime}-{policy}", runtime, (SLIDEDP, f"--slidedp.runtime={runtime}",
+                                              f"--slidedp.activation={policy}"))
       for runtime in ("slideformer", "megatrain") for policy in ("recompute", "keep")),
-    System("reference-none", "reference", ("--mode", "reference", "--ac", "none")),
-    System("reference-full", "reference", ("--mode", "reference", "--ac", "full")),
+    *(System(f"reference-{ac}", "reference", (REFERENCE, f"--activation_checkpoint.mode={ac}"))
+      for ac in ("none", "full")),
 ]}
 """The systems an experiment can name (--systems); DeepSpeed needs the deepspeed package."""
 
@@ -188,11 +189,11 @@ class Runner:
         """One launch of the bench with `flags` (plus the run's model, sequence, kernels, clipping
         and step counts unless `common` is false); its rows, each marked with `label`."""
         a = self.args
-        shared = ["--flavor", a.flavor, "--seq", str(a.seq), "--kernels", a.kernels,
-                  "--max-norm", str(a.max_norm), "--steps", str(a.steps),
-                  "--warmup", str(a.warmup)] if common else []
-        bench = ["-m", "recipes.bench.throughput", *shared, *flags, "--label", label,
-                 "--no-memory-check", "--out", str(self.jsonl)]
+        shared = [f"--model.flavor={a.flavor}", f"--training.seq_len={a.seq}",
+                  f"--model.kernels={a.kernels}", f"--training.max_norm={a.max_norm}",
+                  f"--training.steps={a.steps}", f"--bench.warmup={a.warmup}"] if common else []
+        bench = ["-m", "recipes.bench.throughput", *shared, *flags, f"--bench.label={label}",
+                 "--slidedp.check_host_memory=false", f"--bench.out={self.jsonl}"]
         env = self.env(nproc)
         if nproc == 1:  # one process, no launcher (seconds less per point): its own group
             cmd = [sys.executable, *bench]
@@ -224,7 +225,7 @@ class Runner:
         not tried) in one launch; every row gets its `system` and `family`."""
         rows = []
         for system in systems:
-            for row in self.bench([*system.flags, "--batches", batches], nproc=nproc,
+            for row in self.bench([*system.flags, *batch_flags(batches)], nproc=nproc,
                                   label=system.name):
                 rows.append({**row, "system": system.name, "family": system.family})
         return rows
@@ -233,10 +234,9 @@ class Runner:
         """The recorded rows (--rows) that this launch would have written, copied to this run's
         runs.jsonl: its label, rank count, and the model, batches and length its flags name (one
         file may hold several models' rows under the same labels)."""
-        flag = dict(zip(flags, flags[1:]))
         batches = _named_batches(flags)
-        seq = int(flag.get("--seq", self.args.seq))
-        flavor = flag.get("--flavor", self.args.flavor)
+        seq = int(_last(flags, "--training.seq_len") or self.args.seq)
+        flavor = _last(flags, "--model.flavor") or self.args.flavor
         rows = [r for path in self.args.rows for r in _read_rows(Path(path))
                 if r.get("label") == label and r.get("world") == nproc and r.get("seq") == seq
                 and r.get("flavor") == flavor
@@ -249,19 +249,39 @@ class Runner:
         return _read_rows(self.jsonl)
 
 
-def _named_batches(flags: Sequence[str]) -> set[int] | None:
-    """The local batches a bench launch's flags name: --batches, or those of its --points specs
-    (POLICY:B1,B2); None when they name none."""
-    flags = list(flags)
-    if "--batches" in flags:
-        return {int(b) for b in flags[flags.index("--batches") + 1].split(",")}
-    if "--points" not in flags:
-        return None
-    from recipes.bench.throughput import point_specs  # the bench's own parser (it imports torch)
+def batch_flags(batches: str) -> list[str]:
+    """A comma list of local batches as the bench's flag."""
+    return ["--bench.batches", *batches.split(",")]
 
-    specs = flags[flags.index("--points") + 1:]
-    specs = specs[:next((i for i, f in enumerate(specs) if f.startswith("--")), len(specs))]
-    return {b for _, _, batches in point_specs(specs) for b in batches}
+
+def _values(flags: Sequence[str], key: str) -> list[str] | None:
+    """The values the last `key` in `flags` is given (`--key=value`, or every argument after
+    `--key` up to the next flag); None where it is not."""
+    found = None
+    for i, flag in enumerate(flags):
+        if flag.startswith(key + "="):
+            found = [flag.partition("=")[2]]
+        elif flag == key:
+            rest = list(flags[i + 1:])
+            found = rest[:next((j for j, f in enumerate(rest) if f.startswith("--")), len(rest))]
+    return found
+
+
+def _last(flags: Sequence[str], key: str) -> str | None:
+    values = _values(flags, key)
+    return values[-1] if values else None
+
+
+def _named_batches(flags: Sequence[str]) -> set[int] | None:
+    """The local batches a bench launch's flags name: bench.batches, or those of its
+    bench.points entries (POLICY:B1,B2); None when they name none."""
+    if batches := _values(flags, "--bench.batches"):
+        return {int(b) for b in batches}
+    if not (points := _values(flags, "--bench.points")):
+        return None
+    from recipes.bench.config import point_specs  # the bench's own parser (it imports torch)
+
+    return {b for spec in point_specs(points) for b in spec.batches}
 
 
 def _read_rows(path: Path) -> list[dict]:

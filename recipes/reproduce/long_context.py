@@ -34,8 +34,8 @@ def rope_flags(flavor: str, seq: int) -> list[str]:
     if seq <= get_flavor(flavor).max_position_embeddings:
         return []
     factor = 2 ** math.ceil(math.log2(seq / NATIVE))
-    return ["--rope-scaling-type", "yarn", "--rope-scaling-factor", str(factor),
-            "--original-max-position-embeddings", str(NATIVE)]
+    return ["--model.rope_scaling_type=yarn", f"--model.rope_scaling_factor={factor}",
+            f"--model.original_max_position_embeddings={NATIVE}"]
 
 
 def plot(plt, rows: list[dict]):
@@ -66,8 +66,10 @@ def main() -> None:
         for seq in (int(s) for s in args.seqs.split(",")):
             if per_length_warmup:
                 args.warmup = 1 if seq < WARM_BELOW else 0  # the runner reads it per launch
-            # The last --seq wins over the run's; one launch per length (its RoPE tables).
-            for row in runner.bench([*system.flags, "--seq", str(seq), "--batches", "1",
+            # The last training.seq_len wins over the run's; one launch per length (its RoPE
+            # tables).
+            for row in runner.bench([*system.flags, f"--training.seq_len={seq}",
+                                     "--bench.batches=1",
                                      *rope_flags(args.flavor, seq)],
                                     nproc=runner.nproc(), label=system.name):
                 rows.append({**row, "system": system.name})

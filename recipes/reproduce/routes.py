@@ -6,7 +6,8 @@ same bytes (there is nothing to shard or reduce): run it on several.
     python -m recipes.reproduce.routes [--batches 8,16] [--routes sharded/gpu,replicated/gpu,...]
 """
 
-from recipes.reproduce.common import BATCH, STEP, TOKENS, WORLD, Column, parser, start, write_outputs
+from recipes.reproduce.common import (BATCH, STEP, TOKENS, WORLD, Column, batch_flags, parser,
+                                     start, write_outputs)
 
 ROUTES = "sharded/gpu,replicated/gpu,sharded/cpu,replicated/cpu"
 
@@ -66,8 +67,8 @@ def main() -> None:
     # The first route's reduction decides whether the host staging region exists: a CPU one
     # first, so every route can run in the same build.
     routes = sorted(args.routes.split(","), key=lambda r: not r.endswith("/cpu"))
-    rows = runner.bench(["--mode", "slidedp", "--activation", args.activation, "--routes",
-                         ",".join(routes), "--batches", args.batches],
+    rows = runner.bench(["--parallelism.mode=slidedp", f"--slidedp.activation={args.activation}",
+                         "--bench.routes", *routes, *batch_flags(args.batches)],
                         nproc=runner.nproc(default_cpu=2), label="routes")
     write_outputs(runner, with_ratios(rows), COLUMNS, title="Route comparison", paper=PAPER,
                   plot=plot)

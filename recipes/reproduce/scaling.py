@@ -77,7 +77,7 @@ def main() -> None:
         for n in counts:
             # Both regimes' local batches in one launch (one point when they coincide).
             batches = dict.fromkeys([args.local_batch, global_batch // n])
-            for row in runner.bench([*system.flags, "--batches", ",".join(map(str, batches))],
+            for row in runner.bench([*system.flags, "--bench.batches", *map(str, batches)],
                                     nproc=n, label=system.name):
                 for scaling, local in (("weak", args.local_batch), ("strong", global_batch // n)):
                     if row["local_batch"] == local:
