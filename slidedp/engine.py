@@ -83,8 +83,7 @@ class SlideDPBackend:
         kernels = self.kernels = resolve_kernels(config.model.kernels,
                                                  attention=config.model.attention,
                                                  device_type=device.type)
-        # Several nodes (slidedp/nodes.py): each shards its own host state over its own ranks,
-        # or holds its ranks' shards of one state sharded over every rank (node_shards.py).
+        # Several nodes: a replica of the host state each (nodes.py), or a share (node_shards.py).
         self.nodes = Nodes.discover(rank=dp_rank, world=dp_world)
         self.nodes.check_same(node_fields(config, model_args))
         self.shards = node_shards(self.nodes, cfg)
@@ -113,8 +112,7 @@ class SlideDPBackend:
         memory.check(offload_pool=self.blocks.pool_bytes(*self.blocks.micro_shape))
         lap("checks and activation costs")
 
-        self.groups = RankGroups(self.nodes, distributed=dp_world > 1,
-                                 sharded=not self.shards.whole)
+        self.groups = RankGroups(self.nodes, self.shards, distributed=dp_world > 1)
         self.state = SharedHostState(self.layout, memory.plan, rank=self.shards.first + self.rank,
                                      world=self.shards.world, share=self.groups.share,
                                      barrier=self.groups.barrier, pin=device.type == "cuda",
@@ -348,7 +346,6 @@ class SlideDPBackend:
         self.flow.drain()
 
     def named_master_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The master by name (sharded across nodes: gathered, so every rank calls it)."""
         self._drain()
         self.groups.barrier()  # every rank's shard of the last update is in place
         yield from master_parameters(self.state, self.groups.everyone)

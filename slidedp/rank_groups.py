@@ -10,6 +10,7 @@ span every rank instead, and so do the totals.
 import torch
 import torch.distributed as dist
 
+from slidedp.layout import NodeShards
 from slidedp.nodes import Nodes, add_other_nodes_loss
 
 
@@ -17,9 +18,10 @@ class RankGroups:
     """The node's gloo group of the host (barriers, broadcasts, totals), then the runtime
     threads' groups (`open`)."""
 
-    def __init__(self, nodes: Nodes, *, distributed: bool, sharded: bool = False):
-        """`sharded`: the shards span every node's ranks (slidedp/node_shards.py)."""
-        self.nodes, self.distributed, self.sharded = nodes, distributed, sharded
+    def __init__(self, nodes: Nodes, shards: NodeShards, *, distributed: bool):
+        """`shards`: the node's part of the host state; one that holds part of every unit
+        shards it over every node's ranks (slidedp/node_shards.py)."""
+        self.nodes, self.distributed, self.sharded = nodes, distributed, not shards.whole
         self.host = nodes.local_group(backend="gloo") if distributed else None
         self.gather: dist.ProcessGroup | None = None  # the delivery thread's
         self.reduce: dist.ProcessGroup | None = None  # the update thread's
