@@ -12,6 +12,7 @@ build a model. The launch of several ranks also adds flags: mode "single" become
 import errno
 import importlib.util
 import math
+import os
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -230,33 +231,38 @@ def check_device_memory(config: JobConfig, args: ModelArgs, *, world: int, capac
 
 
 def slidedp_host_bytes(config: JobConfig, args: ModelArgs, *, world: int,
-                       bf16_shadow: bool | None = None) -> int:
+                       bf16_shadow: bool | None = None, nodes: int = 1) -> int:
     """The exact bytes of SlideDP's shared host state for `config` (with `bf16_shadow` instead
-    of slidedp.bf16_shadow if given): the regions HostStatePlan.for_run picks."""
+    of slidedp.bf16_shadow if given): the regions HostStatePlan.for_run picks; on `nodes` that
+    shard it (slidedp.nodes_state = "sharded"), one node's part."""
     from slidedp.host_state import HostStatePlan, host_state_bytes
-    from slidedp.layout import StateLayout
+    from slidedp.layout import NodeShards, StateLayout
 
     training, cfg = config.training, config.slidedp
     if bf16_shadow is not None:
         cfg = replace(cfg, bf16_shadow=bf16_shadow)
     plan = HostStatePlan.for_run(cfg, grad_accum_steps=training.grad_accum_steps,
                                  max_norm=training.max_norm, nonfinite=training.nonfinite)
-    return host_state_bytes(StateLayout(args, world=world), plan)
+    if nodes == 1 or cfg.nodes_state == "replicated":
+        return host_state_bytes(StateLayout(args, world=world), plan)
+    return host_state_bytes(StateLayout(args, world=world, nodes=nodes), plan,
+                            NodeShards(first=0, count=world // nodes, world=world))
 
 
 def check_host_memory(config: JobConfig, args: ModelArgs, *, world: int, on_cpu: bool,
-                      available: int, total: int) -> None:
+                      available: int, total: int, nodes: int = 1) -> None:
     """SlideDP's shared host state (exact) against `available` bytes (MemAvailable, unless
     slidedp.check_host_memory is off), then everything the ranks hold on the host (estimated:
     the shared state, the FP32 model that single, fsdp2 and deepspeed build on the CPU first,
     the state that FSDP2's CPU offload and DeepSpeed's optimizer offload keep there, and on the
-    CPU the devices' estimate) against `total` bytes (MemTotal)."""
+    CPU the devices' estimate) against `total` bytes (MemTotal). `world` ranks on `nodes`."""
     training, shared = config.training, 0
     n, mode = args.num_params(), config.parallelism.mode
     if mode == "slidedp":
-        shared = slidedp_host_bytes(config, args, world=world)
+        shared = slidedp_host_bytes(config, args, world=world, nodes=nodes)
         if shared > available and config.slidedp.check_host_memory:
-            without = slidedp_host_bytes(config, args, world=world, bf16_shadow=False)
+            without = slidedp_host_bytes(config, args, world=world, bf16_shadow=False,
+                                         nodes=nodes)
             shadow = (f"set slidedp.bf16_shadow = false ({without / n:.1f} B/param), "
                       if without < shared else "")
             raise ConfigError(f"slidedp: the host state needs {_gib(shared)} "
@@ -284,7 +290,8 @@ def _check_memory(config: JobConfig, args: ModelArgs, *, world: int, device: tor
     from slidedp.host_state import available_host_bytes, total_host_bytes
 
     check_host_memory(config, args, world=world, on_cpu=device.type == "cpu",
-                      available=available_host_bytes(), total=total_host_bytes())
+                      available=available_host_bytes(), total=total_host_bytes(),
+                      nodes=world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if device.type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory
         kernels = resolve_kernels(config.model.kernels, device_type="cuda").name

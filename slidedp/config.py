@@ -16,6 +16,8 @@ EmbeddingUpdate = Literal["host", "gpu", "resident"]
 """Where the embedding's AdamW runs (slidedp/gpu_update.py)."""
 MomentsDtype = Literal["float32", "bfloat16", "8bit"]
 """The dtype of the Adam moments in host memory (slidedp/host_state.py)."""
+NodesState = Literal["replicated", "sharded"]
+"""How several nodes hold the host state (slidedp/nodes.py, slidedp/node_shards.py)."""
 
 
 @dataclass
@@ -106,6 +108,9 @@ class SlideDPConfig(Checked):
     """With several nodes, every N steps compare a checksum of each node's replica of the
     master weights and Adam moments with node 0's, and end the run if one diverged (0: never);
     a check waits for its step's updates first (slidedp/nodes.py)."""
+    nodes_state: NodesState = "replicated"
+    """With several nodes: "replicated" (each node holds the whole host state) or "sharded"
+    (each node holds its ranks' 1/N of it; slidedp/node_shards.py)."""
     check_host_memory: bool = True
     """Refuse to start when the host state and the ranks' activation offload pools exceed
     MemAvailable (off for VMs whose memory grows on demand and under-reports at start)."""

@@ -45,6 +45,7 @@ from slidedp.holds import Hold
 from slidedp.host_memory import HostMemoryCheck
 from slidedp.host_state import SharedHostState, StepAborted, updates_deferred
 from slidedp.layout import StateLayout, chunk_elems
+from slidedp.node_shards import master_parameters, node_shards
 from slidedp.nodes import Nodes, ReplicaCheck, node_fields
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.rank_groups import RankGroups
@@ -82,21 +83,24 @@ class SlideDPBackend:
         kernels = self.kernels = resolve_kernels(config.model.kernels,
                                                  attention=config.model.attention,
                                                  device_type=device.type)
-        # Several nodes (slidedp/nodes.py): each shards its own host state over its own ranks.
+        # Several nodes: a replica of the host state each (nodes.py), or a share (node_shards.py).
         self.nodes = Nodes.discover(rank=dp_rank, world=dp_world)
         self.nodes.check_same(node_fields(config, model_args))
+        self.shards = node_shards(self.nodes, cfg)
         self.leader = dp_rank == 0  # prints the start-up report
         self.rank, self.world = self.nodes.local_rank, self.nodes.local_world
         self.max_norm = tr.max_norm
         self.guard = tr.nonfinite != "off"
         self.deferred = updates_deferred(max_norm=tr.max_norm, nonfinite=tr.nonfinite,
                                          reduction=cfg.reduction)
-        self.layout = StateLayout(model_args, world=self.world, sole_owner=self.style.sole_owner)
+        self.layout = StateLayout(model_args, world=self.shards.world, nodes=self.shards.nodes,
+                                  sole_owner=self.style.sole_owner)
         check_gpu_updates(cfg, grad_accum_steps=tr.grad_accum_steps, n_layers=model_args.n_layers,
                           world=self.world)
         check_speculative(cfg, grad_accum_steps=tr.grad_accum_steps, n_layers=model_args.n_layers)
         memory = HostMemoryCheck(self.layout, model_args, cfg, grad_accum_steps=tr.grad_accum_steps,
-                                 max_norm=tr.max_norm, nonfinite=tr.nonfinite, leader=self.leader)
+                                 max_norm=tr.max_norm, nonfinite=tr.nonfinite, leader=self.leader,
+                                 shards=self.shards)
         memory.check(offload_pool=None)
         # The policies' costs, measured on one block before anything big is allocated, size the
         # activation offload pool of the micro-batch the run is configured for.
@@ -108,10 +112,11 @@ class SlideDPBackend:
         memory.check(offload_pool=self.blocks.pool_bytes(*self.blocks.micro_shape))
         lap("checks and activation costs")
 
-        self.groups = RankGroups(self.nodes, distributed=dp_world > 1)
-        self.state = SharedHostState(self.layout, memory.plan, rank=self.rank, world=self.world,
-                                     share=self.groups.share, barrier=self.groups.barrier,
-                                     pin=device.type == "cuda", label=self.nodes.label)
+        self.groups = RankGroups(self.nodes, self.shards, distributed=dp_world > 1)
+        self.state = SharedHostState(self.layout, memory.plan, rank=self.shards.first + self.rank,
+                                     world=self.shards.world, share=self.groups.share,
+                                     barrier=self.groups.barrier, pin=device.type == "cuda",
+                                     label=self.nodes.label, shards=self.shards)
         lap("host state")
         state_io.init_weights(self.state, self.spec, model_args, hf_dir=config.model.hf_dir,
                               seed=tr.seed, parallel_above=PARALLEL_INIT_PARAMS)
@@ -265,9 +270,7 @@ class SlideDPBackend:
         if self.replicas.due(self.steps_done):
             # Outside the failed-step path: the step is complete, and every rank finds a
             # divergence in the same collective, so the backend still closes (its groups joined).
-            self.replicas.check([self.state.shard_view(region, unit) for unit in self.layout.units
-                                 for region in self.state.plan.state_regions()],
-                                step=self.steps_done)
+            self.replicas.check(self.state, step=self.steps_done)
         return result
 
     def _abort(self) -> None:
@@ -342,21 +345,18 @@ class SlideDPBackend:
     def _drain(self) -> None:
         self.flow.drain()
 
-    def _master_view(self, name: str) -> torch.Tensor:
-        return state_io.master_view(self.state, name)
-
     def named_master_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._drain()
         self.groups.barrier()  # every rank's shard of the last update is in place
-        yield from state_io.master_parameters(self.state)
+        yield from master_parameters(self.state, self.groups.everyone)
 
     def snapshot_state(self, group) -> Callable[[str], None]:
         """Nothing is copied: the writer waits for the last step's pending updates, then writes
         this rank's shards (slidedp/state_file.py) unit by unit, in the order the next step
         updates them, and each unit's next update waits until the unit is written (SaveGate).
         Only this rank's shards are read, so the writer needs no peer (`group` is unused). Node 0
-        alone writes: the other nodes' replicas are the same bytes (slidedp/nodes.py), and every
-        node loads node 0's files on resume."""
+        alone writes replicas: the other nodes' are the same bytes (slidedp/nodes.py), and every
+        node loads node 0's files on resume; sharded across nodes, every rank writes its own."""
         units = list(self.layout.units)
         if not self.deferred:  # the next step updates during backward: head first
             units.reverse()
@@ -364,7 +364,7 @@ class SlideDPBackend:
             self.state, units=units, steps=self.steps_done, adam_steps=self.adam_steps,
             pending=list(self.flow.pending),  # the last step's updates may still be running
             gpu_updates=list(self.gpu_updates.values()), gate=self._save_gate,
-            save=save_shards, write_files=self.nodes.node == 0)
+            save=save_shards, write_files=self.nodes.node == 0 or not self.shards.whole)
 
     def saved_master_parameters(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
         return read_master(self.layout, path)

@@ -1,10 +1,12 @@
 """The one authoritative training state of a node, in shared memory.
 
-Rank 0 creates an anonymous memory file (memfd: no name in any filesystem, and not bounded by
-/dev/shm's size), the other local ranks open it through /proc/<pid>/fd/<fd> and map it, and rank 0
+Local rank 0 creates an anonymous memory file (memfd: no name in any filesystem, and not bounded
+by /dev/shm's size), the other local ranks open it through /proc/<pid>/fd/<fd> and map it, and it
 closes its descriptor once all have mapped it: the memory then lives exactly as long as some rank
 still maps it, so it is released on normal exit, on an exception and when a rank is killed (there
-are no stale segments to clean up by hand). On CUDA machines the ranges that DMA engines touch are registered
+are no stale segments to clean up by hand). A node that holds only its ranks' shards
+(slidedp/node_shards.py) maps the same offsets and touches only those, so only their pages
+exist. On CUDA machines the ranges that DMA engines touch are registered
 as pinned memory (cudaHostRegister), so each byte exists once and copies are asynchronous.
 
 Regions (elements = StateLayout.total, i.e. every unit padded to world * SHARD_ALIGN):
@@ -46,7 +48,7 @@ import torch
 from slidedp.config import MomentsDtype, SlideDPConfig
 from slidedp.cpu_adam import MOMENT_BLOCK, moment_scales
 from slidedp.holds import HOLDS, Hold
-from slidedp.layout import SHARD_ALIGN, StateLayout, Unit
+from slidedp.layout import SHARD_ALIGN, NodeShards, StateLayout, Unit
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.streams import register_host, unregister_host
 
@@ -201,9 +203,13 @@ def host_state_regions(layout: StateLayout, plan: HostStatePlan) -> dict[str, in
             for name, dtype, numel in _region_sizes(layout, plan)}
 
 
-def host_state_bytes(layout: StateLayout, plan: HostStatePlan) -> int:
-    """Exact size of the shared mapping (each region 4 KiB aligned)."""
-    return sum(host_state_regions(layout, plan).values())
+def host_state_bytes(layout: StateLayout, plan: HostStatePlan,
+                     shards: NodeShards | None = None) -> int:
+    """Exact size of the shared mapping (each region 4 KiB aligned); with `shards` that hold
+    part of every unit (slidedp/node_shards.py), the bytes a node's memory holds: that part of
+    every region."""
+    total = sum(host_state_regions(layout, plan).values())
+    return total if shards is None or shards.whole else total * shards.count // shards.world
 
 
 def _meminfo_bytes(field: str) -> int:
@@ -262,18 +268,24 @@ class SharedHostState:
 
     def __init__(self, layout: StateLayout, plan: HostStatePlan, *, rank: int, world: int,
                  share: Callable[[str], str], barrier: Callable[[], None], pin: bool,
-                 label: str = STATE_LABEL):
-        """`share(path)` broadcasts rank 0's string to every rank; `barrier()` syncs the ranks;
-        `label` names the memfd (/proc/PID/maps: one per node, slidedp/nodes.py)."""
+                 label: str = STATE_LABEL, shards: NodeShards | None = None):
+        """`rank` of `world`: this rank's shard of every unit; `share(path)` broadcasts the
+        node's first rank's string to every local rank; `barrier()` syncs them; `label` names
+        the memfd (/proc/PID/maps: one per node, slidedp/nodes.py); `shards`: the part of every
+        unit this node holds (default all): the mapping keeps the whole layout's offsets, and
+        only that part of it is ever touched, so only its pages exist."""
         self.layout, self.plan, self.rank, self.world = layout, plan, rank, world
+        self.shards = shards or NodeShards(first=0, count=world, world=world)
+        self.local_rank = rank - self.shards.first
         self.nbytes = host_state_bytes(layout, plan)
+        self.held_bytes = host_state_bytes(layout, plan, self.shards)
         path = ""
-        if rank == 0:
+        if self.local_rank == 0:
             fd = os.memfd_create(label, os.MFD_CLOEXEC)
             os.ftruncate(fd, self.nbytes)
             path = f"/proc/{os.getpid()}/fd/{fd}"
         path = share(path)
-        if rank != 0:
+        if self.local_rank != 0:
             fd = os.open(path, os.O_RDWR)
         try:
             self._mmap = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
@@ -292,7 +304,8 @@ class SharedHostState:
         ctrl = self.regions["control"].view(len(_CONTROL_FIELDS), n_units, world)
         self.version, self.ready, self.consumed = ctrl[0], ctrl[1], ctrl[2]
         self.aborted = threading.Event()  # this rank's step failed: runtime threads stop waiting
-        self.grad_lock = HostLock(rank=rank, share=share, barrier=barrier) if plan.grad_lock else None
+        self.grad_lock = (HostLock(rank=self.local_rank, share=share, barrier=barrier)
+                          if plan.grad_lock else None)
         self._registered: list[int] = []
         self._pin = pin
         # Per region, the registered element ranges, page-aligned and disjoint: CUDA refuses
@@ -301,9 +314,17 @@ class SharedHostState:
         if pin:
             for name in ("shadow", "grad_bf16", "staging", "master"):
                 if name in self.regions and (name != "master" or not plan.bf16_shadow):
-                    # The DMA engines read and write the shared bytes directly.
-                    self._registered.append(register_host(self.regions[name]))
-                    self._pinned[name] = [(0, self.regions[name].numel())]
+                    # The DMA engines read and write the shared bytes directly (registering
+                    # allocates: only the node's part of each unit).
+                    for start, end in self.held_ranges(self.regions[name].numel()):
+                        self._pin_range(name, start, end)
+
+    def held_ranges(self, numel: int) -> list[tuple[int, int]]:
+        """The element ranges of a flat region of `numel` elements that this node holds."""
+        if self.shards.whole:
+            return [(0, numel)]
+        return [(u.host_offset + lo, u.host_offset + hi) for u in self.layout.units
+                for lo, hi in [self.shards.span(u)]]
 
     def pin_units(self, indices: list[int], regions: tuple[str, ...]) -> None:
         """Register the units' ranges of `regions` as pinned memory too (the GPU updates copy
@@ -315,22 +336,26 @@ class SharedHostState:
             return
         units = [self.layout.units[i] for i in indices]
         for name in regions:
-            base = self.regions[name]
-            page = 4096 // base.element_size()  # whole pages: the region starts on one
-            start = min(u.host_offset for u in units) // page * page
-            end = min(base.numel(),
-                      -(-max(u.host_offset + u.padded for u in units) // page) * page)
-            spans = self._pinned.setdefault(name, [])
-            if (change := widened(spans, start, end)) is None:
-                continue
-            (start, end), absorbed = change
-            for a, b in absorbed:  # no copy uses them: the GPU updates are drained
-                ptr = base[a:b].data_ptr()
-                unregister_host(ptr)
-                self._registered.remove(ptr)
-                spans.remove((a, b))
-            self._registered.append(register_host(base[start:end]))
-            spans.append((start, end))
+            self._pin_range(name, min(u.host_offset for u in units),
+                            max(u.host_offset + u.padded for u in units))
+
+    def _pin_range(self, name: str, start: int, end: int) -> None:
+        """Register elements [start, end) of region `name`, in whole pages, widened over any
+        registered range they overlap."""
+        base = self.regions[name]
+        page = 4096 // base.element_size()  # whole pages: the region starts on one
+        start, end = start // page * page, min(base.numel(), -(-end // page) * page)
+        spans = self._pinned.setdefault(name, [])
+        if (change := widened(spans, start, end)) is None:
+            return
+        (start, end), absorbed = change
+        for a, b in absorbed:  # no copy uses them: the GPU updates are drained
+            ptr = base[a:b].data_ptr()
+            unregister_host(ptr)
+            self._registered.remove(ptr)
+            spans.remove((a, b))
+        self._registered.append(register_host(base[start:end]))
+        spans.append((start, end))
 
     def __getattr__(self, name: str) -> torch.Tensor:
         regions = self.__dict__.get("regions", {})

@@ -8,6 +8,7 @@ every unit. The layout is independent of the delivery/reduction route, so routes
 run (or per layer) without touching the state.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,9 @@ from protocols.model_spec import ModelArgs, spec_of
 # Shard boundaries fall on 128 elements: 512 B of FP32, a multiple of the cache line and of
 # every SIMD width the CPU Adam kernel uses.
 SHARD_ALIGN = 128
+NODE_ALIGN = 4096
+"""A node's part of a unit, when each node holds part of every unit (`NodeShards`), is whole
+4 KiB pages of every region (1-byte elements or wider): no page holds two nodes' parts."""
 
 
 def chunk_elems(chunk_mib: float) -> int:
@@ -56,7 +60,7 @@ class Unit:
     numel: int
     """Real elements (without padding)."""
     padded: int
-    """Elements including padding; divisible by world * SHARD_ALIGN."""
+    """Elements including padding; divisible by world * SHARD_ALIGN (and nodes * NODE_ALIGN)."""
     host_offset: int
     """Element offset of this unit in the host state's flat arrays."""
     sole_owner: bool = False
@@ -70,13 +74,44 @@ class Unit:
         return rank * size, (rank + 1) * size
 
 
+@dataclass(frozen=True)
+class NodeShards:
+    """The part of every unit a node's host state holds: the shards of owners [first, first +
+    count) of `world`, one contiguous span per unit (all of it when count = world)."""
+
+    first: int
+    """The node's first owner."""
+    count: int
+    """Owners on the node."""
+    world: int
+    """Owners in all."""
+
+    @property
+    def whole(self) -> bool:
+        return self.count == self.world
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.count
+
+    def span(self, unit: Unit) -> tuple[int, int]:
+        """[start, end) of the node's part of `unit`, in elements relative to the unit."""
+        if self.whole:
+            return 0, unit.padded
+        size = unit.padded // self.world
+        return self.first * size, (self.first + self.count) * size
+
+
 class StateLayout:
     """The flat layout of one model's parameters for `world` owners."""
 
-    def __init__(self, args: ModelArgs, *, world: int, sole_owner: bool = False):
-        """`sole_owner`: rank 0 owns every unit (the padding stays the same)."""
+    def __init__(self, args: ModelArgs, *, world: int, sole_owner: bool = False, nodes: int = 1):
+        """`sole_owner`: rank 0 owns every unit (the padding stays the same); `nodes`: the
+        owners' nodes, each holding its owners' part of every unit (NODE_ALIGN)."""
         self.args, self.world = args, world
         quantum = world * SHARD_ALIGN
+        if nodes > 1:
+            quantum = math.lcm(quantum, nodes * NODE_ALIGN)
         self.units: list[Unit] = []
         host_offset = 0
         for index, (kind, params) in enumerate(spec_of(args).units(args)):

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from slidedp.host_state import STATE_LABEL
+from slidedp.host_state import STATE_LABEL, SharedHostState
 from slidedp.run_config import RunConfig
 
 
@@ -144,13 +144,15 @@ class ReplicaCheck:
         self.nodes, self.every, self.cross, self.local = nodes, every, cross, local
 
     def due(self, step: int) -> bool:
-        return self.nodes.nnodes > 1 and self.every > 0 and step % self.every == 0
+        """A check after `step`: never without replicas (one node, or sharded across nodes)."""
+        return self.cross is not None and self.every > 0 and step % self.every == 0
 
-    def check(self, shards: list[torch.Tensor], *, step: int) -> None:
-        """`shards`: this rank's slices of the state regions, the same list on every node."""
+    def check(self, state: SharedHostState, *, step: int) -> None:
+        """Compares this rank's shards of `state`'s optimizer regions."""
         crc = 0
-        for shard in shards:
-            crc = zlib.crc32(shard.view(torch.uint8).numpy(), crc)
+        for unit in state.layout.units:
+            for region in state.plan.state_regions():
+                crc = zlib.crc32(state.shard_view(region, unit).view(torch.uint8).numpy(), crc)
         crcs = [torch.zeros(1, dtype=torch.int64) for _ in range(self.nodes.nnodes)]
         dist.all_gather(crcs, torch.tensor([crc], dtype=torch.int64), group=self.cross)
         differ = (torch.cat(crcs) != crcs[0]).to(torch.int64)

@@ -7,6 +7,7 @@ from slidedp.config import SlideDPConfig
 from slidedp.delivery import Delivery
 from slidedp.gpu_update import check_gpu_updates
 from slidedp.host_state import SharedHostState
+from slidedp.node_shards import check_sharded_routes
 from slidedp.nodes import Nodes
 from slidedp.peer_styles import RuntimeStyle
 from slidedp.rank_groups import RankGroups
@@ -19,11 +20,13 @@ def check_routes(cfg: SlideDPConfig, *, delivery: str, reduction: str, style: Ru
                  nodes: Nodes, state: SharedHostState, grad_accum_steps: int, n_layers: int,
                  deferred: bool) -> None:
     """Refuse routes the run cannot switch to: a peer runtime style runs its own routes only,
-    several nodes reduce on the GPUs, the GPU updates need theirs, the host state is untouched
-    (the cpu route needs its staging region, allocated when slidedp.reduction = "cpu") and must
-    have a place for a step's gradients."""
+    several nodes reduce on the GPUs (and deliver sharded when they shard the state), the GPU
+    updates need theirs, the host state is untouched (the cpu route needs its staging region,
+    allocated when slidedp.reduction = "cpu") and must have a place for a step's gradients."""
     style.check_routes(delivery, reduction)
     nodes.check_reduction(reduction)
+    if not state.shards.whole:
+        check_sharded_routes(delivery=delivery, reduction=reduction)
     check_gpu_updates(replace(cfg, delivery=delivery, reduction=reduction),
                       grad_accum_steps=grad_accum_steps, n_layers=n_layers, world=state.world)
     if reduction == "cpu" and not state.plan.cpu_staging:

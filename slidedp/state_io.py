@@ -38,15 +38,16 @@ def init_weights(state: SharedHostState, spec: ModelSpec, args: ModelArgs, *, hf
     models up to `parallel_above` parameters reproduces the model's init_weights after
     torch.manual_seed(seed) draw for draw (so `single` and `slidedp` start equal); bigger ones
     are drawn by all ranks in parallel, one generator per unit (seed, unit) — minutes saved
-    at 8B+, same distribution, different values."""
-    layout, rank, world = state.layout, state.rank, state.world
+    at 8B+, same distribution, different values. A node that holds part of every unit
+    (slidedp/node_shards.py) draws or reads every parameter and keeps its part."""
+    layout, rank, world = state.layout, state.local_rank, state.shards.count
     mine: list[Unit] = []
     if hf_dir:
         if rank == 0:
             from models.hf_checkpoint import load_hf_into
 
             expected = {name: p.shape for name, (_, p) in layout.by_name.items()}
-            load_hf_into(lambda name, t: master_view(state, name).copy_(t), hf_dir, expected)
+            load_hf_into(lambda name, t: _store(state, name, t), hf_dir, expected)
             mine = layout.units
     elif args.num_params() <= parallel_above:
         if rank == 0:
@@ -69,17 +70,30 @@ def init_weights(state: SharedHostState, spec: ModelSpec, args: ModelArgs, *, hf
             list(pool.map(draw, mine))
     if state.plan.bf16_shadow:
         for unit in mine:
-            state.unit_view("shadow", unit.index).copy_(state.unit_view("master", unit.index))
+            lo, hi = state.shards.span(unit)
+            state.unit_view("shadow", unit.index, lo, hi).copy_(
+                state.unit_view("master", unit.index, lo, hi))
 
 
 def _init_parameter(state: SharedHostState, spec: ModelSpec, name: str,
                     generator: torch.Generator | None = None) -> None:
     """Draws in FP32, as `single` does, then stores (a BF16 master: rounded)."""
     master = master_view(state, name)
-    drawn = master if master.dtype == torch.float32 else torch.empty(master.shape)
+    in_place = master.dtype == torch.float32 and state.shards.whole
+    drawn = master if in_place else torch.empty(master.shape)
     spec.init_parameter(name, drawn, generator=generator)
-    if drawn is not master:
-        master.copy_(drawn)
+    if not in_place:
+        _store(state, name, drawn)
+
+
+def _store(state: SharedHostState, name: str, value: torch.Tensor) -> None:
+    """The part of parameter `name` that this node holds, from `value` (its whole tensor)."""
+    unit, p = state.layout.by_name[name]
+    lo, hi = state.shards.span(unit)
+    start, end = max(p.offset, lo), min(p.offset + p.numel, hi)
+    if start < end:
+        state.master[unit.host_offset + start:unit.host_offset + end].copy_(
+            value.reshape(-1)[start - p.offset:end - p.offset])
 
 
 @torch.no_grad()

@@ -1,6 +1,8 @@
 """SlideDP over several nodes (slidedp/nodes.py), tested as two nodes on this machine: the
 launch's rendezvous flags, and real gloo ranks grouped into nodes as torchrun groups them."""
 
+import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +16,10 @@ from recipes.baselines.eager import build_fsdp2_backend
 from recipes.config import ConfigError, run_config
 from recipes.launch import rendezvous_args
 from slidedp.engine import SlideDPBackend
-from slidedp.nodes import NodeMismatch, ReplicaDiverged
+from slidedp.config import SlideDPConfig
+from slidedp.layout import NODE_ALIGN, StateLayout
+from slidedp.node_shards import node_shards
+from slidedp.nodes import NodeMismatch, Nodes, ReplicaDiverged
 from tests.conftest import REPO, free_port, kill_process_tree, run_ranks, subprocess_env
 from tests.slidedp_worker import global_batches, make_config
 from tests.test_slidedp import assert_matches_reference, single_reference
@@ -37,13 +42,17 @@ WORLD, NODES, STEPS, ACCUM, MAX_NORM = 4, 2, 3, 2, 0.5
 FLAVOR = "qwen3-debug"
 
 
-def _train(backend, rank: int, *, accum: int, corrupt_after: int | None = None) -> dict:
-    """STEPS steps of the worker's global batches, rank `rank`'s slice; with `corrupt_after`,
-    node 1's local rank 0 nudges its own replica's master after that step."""
+def _train(backend, rank: int, *, accum: int, corrupt_after: int | None = None,
+           save: tuple[int, str] | None = None, first: int = 1) -> dict:
+    """Steps `first` to STEPS of the worker's global batches, rank `rank`'s slice; with
+    `corrupt_after`, node 1's local rank 0 nudges its own replica's master after that step;
+    `save` = (step, folder): the host state saved after that step."""
     losses, norms, error = [], [], None
     data = global_batches(steps=STEPS, accum=accum, batch=2 * WORLD, seq=16,
                           vocab=get_flavor(FLAVOR).vocab_size, seed=7)
     for step, micro in enumerate(data, 1):
+        if step < first:
+            continue
         ntok = sum(int((y != -100).sum()) for _, y in micro)
         mine = [(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]) for x, y in micro]
         try:
@@ -56,15 +65,47 @@ def _train(backend, rank: int, *, accum: int, corrupt_after: int | None = None) 
         if step == corrupt_after and rank == 2:
             backend._drain()
             backend.state.master[0] += 1e-3
+        if save is not None and step == save[0]:
+            backend.snapshot_state(None)(save[1])
+    # Before anything reads the whole mapping: the pages of its memfd that exist.
+    held = _memfd_bytes(backend.state) if hasattr(backend, "state") else None
     weights = {n: t.clone() for n, t in backend.named_master_parameters()}
     state = ({name: backend.state.regions[name].clone() for name in ("exp_avg", "exp_avg_sq")}
              if hasattr(backend, "state") else {})
     backend.close()
     return {"losses": losses, "grad_norms": norms, "weights": weights, "state": state,
-            "error": error}
+            "error": error, "held": held,
+            "bytes": (backend.state.nbytes, backend.state.held_bytes) if held else None}
 
 
-def _nodes_rank(rank: int, world: int) -> dict:
+def _memfd_bytes(state) -> int:
+    """Bytes allocated to the node's memfd (the mapping's file, as /proc/self/map_files has it)."""
+    start = state.master.data_ptr()  # the first region starts the mapping
+    for line in open("/proc/self/maps"):
+        span = line.split()[0]
+        if int(span.split("-")[0], 16) == start:
+            fd = os.open(f"/proc/self/map_files/{span}", os.O_RDONLY)
+            try:
+                return os.fstat(fd).st_blocks * 512
+            finally:
+                os.close(fd)
+    raise AssertionError("the host state's mapping is not in /proc/self/maps")
+
+
+def _sharded_across_nodes(rank: int, world: int, save_dir: str) -> dict:
+    """slidedp.nodes_state = "sharded": STEPS steps, saved after the one before last; then a
+    new backend resumes from that save and takes the last step again."""
+    cfg = run_config(make_config({"nodes_state": "sharded"}, accum=ACCUM, max_norm=MAX_NORM))
+    build = lambda: SlideDPBackend(cfg, get_flavor(FLAVOR), device=torch.device("cpu"),
+                                   dp_rank=rank, dp_world=world)
+    out = _train(build(), rank, accum=ACCUM, save=(STEPS - 1, save_dir))
+    resumed = build()
+    resumed.load_state(save_dir)
+    out["resumed"] = _train(resumed, rank, accum=ACCUM, first=STEPS)
+    return out
+
+
+def _nodes_rank(rank: int, world: int, save_dir: str) -> dict:
     """On 2 nodes x 2 ranks: fsdp2 over all 4, SlideDP's variants, the checksum's detection
     and the refusal of a node whose configuration differs."""
     cfg = make_config({}, accum=ACCUM, max_norm=MAX_NORM)
@@ -77,6 +118,7 @@ def _nodes_rank(rank: int, world: int) -> dict:
         out[name] = _train(SlideDPBackend(run_config(cfg), get_flavor(FLAVOR), device=torch.device("cpu"),
                                           dp_rank=rank, dp_world=world), rank, accum=accum)
     cfg = make_config({"replica_check_every": 2}, accum=1, max_norm=MAX_NORM)
+    out["across"] = _sharded_across_nodes(rank, world, save_dir)
     out["diverged"] = _train(SlideDPBackend(run_config(cfg), get_flavor(FLAVOR), device=torch.device("cpu"),
                                             dp_rank=rank, dp_world=world),
                              rank, accum=1, corrupt_after=1)
@@ -91,9 +133,10 @@ def _nodes_rank(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def nodes_runs() -> list[dict]:
+def nodes_runs(tmp_path_factory) -> list[dict]:
     """One launch of 4 real gloo ranks as 2 nodes of 2, every run of this module's tests."""
-    return run_ranks(_nodes_rank, world=WORLD, nodes=NODES)
+    save_dir = tmp_path_factory.mktemp("sharded-state")
+    return run_ranks(_nodes_rank, world=WORLD, nodes=NODES, args=(str(save_dir),))
 
 
 @pytest.mark.parametrize("variant", ["sharded", "replicated"])
@@ -124,6 +167,39 @@ def test_replicas_stay_bit_identical(nodes_runs, variant):
         assert torch.equal(m, node1["state"][name]), name
     assert all(r[variant]["losses"] == node0["losses"] and
                r[variant]["grad_norms"] == node0["grad_norms"] for r in nodes_runs)
+
+
+def test_state_sharded_across_nodes_matches_fsdp2_and_single(nodes_runs):
+    """slidedp.nodes_state = "sharded", clipping and accumulation: the losses and norms equal
+    fsdp2's on 4 ranks, the weights single's, on every rank alike."""
+    run, fsdp2 = nodes_runs[0]["across"], nodes_runs[0]["fsdp2"]
+    assert run["losses"] == pytest.approx(fsdp2["losses"], rel=1e-2)
+    assert run["grad_norms"] == pytest.approx(fsdp2["grad_norms"], rel=2e-2)
+    assert min(run["grad_norms"]) > MAX_NORM  # every step clipped
+    assert all(r["across"]["losses"] == run["losses"] for r in nodes_runs)
+    ref_losses, ref_weights = single_reference(world=WORLD, flavor=FLAVOR, steps=STEPS,
+                                               accum=ACCUM, max_norm=MAX_NORM)
+    assert_matches_reference([{**run, "variant": "across"}], ref_losses, ref_weights)
+
+
+def test_state_sharded_across_nodes_holds_a_node_share(nodes_runs):
+    """Each node's memfd holds the host state's 1/N (its pages that exist, and the state's
+    own account), not the whole."""
+    for r in nodes_runs:
+        total, held = r["across"]["bytes"]
+        assert held == pytest.approx(total / NODES, rel=1e-2)
+        assert r["across"]["held"] == pytest.approx(total / NODES, rel=1e-2)
+
+
+def test_state_sharded_across_nodes_resumes(nodes_runs):
+    """A new backend that loads the save after step STEPS - 1 takes step STEPS as the first
+    one did, bit for bit."""
+    for r in nodes_runs:
+        run, resumed = r["across"], r["across"]["resumed"]
+        assert resumed["losses"] == run["losses"][-1:]
+        assert resumed["grad_norms"] == run["grad_norms"][-1:]
+        for name, w in run["weights"].items():
+            assert torch.equal(w, resumed["weights"][name]), name
 
 
 def test_replica_checksum_detects_a_diverged_node(nodes_runs):
@@ -175,3 +251,27 @@ def test_two_launches_train_and_a_killed_node_ends_the_other(tmp_path):
     errors = [line for line in out.splitlines() if re.search(r"\berror: ", line)]
     assert len(errors) == 1, out[-3000:]
     assert re.search(r"error: rank 1 \(pid \d+\) of node 1 is gone", errors[0]), errors
+
+
+def _nodes(node: int, *, nnodes: int = 2, local_world: int = 2) -> Nodes:
+    ranks = tuple(tuple(range(n * local_world, (n + 1) * local_world)) for n in range(nnodes))
+    return Nodes(node=node, nnodes=nnodes, local_rank=0, local_world=local_world, ranks=ranks)
+
+
+def test_node_shards_span_whole_pages_and_refuse_what_cannot_run():
+    """Node n of 2 holds owners 2n, 2n + 1 of 4: half of every unit, in whole pages; sharded
+    mode refuses replicated delivery, the cpu route and GPU-resident state up front."""
+    cfg = SlideDPConfig(nodes_state="sharded")
+    shards = [node_shards(_nodes(n), cfg) for n in range(NODES)]
+    assert [(s.first, s.count, s.world) for s in shards] == [(0, 2, 4), (2, 2, 4)]
+    assert node_shards(_nodes(1), SlideDPConfig()).whole  # replicated: the node's own layout
+    layout = StateLayout(get_flavor(FLAVOR), world=WORLD, nodes=NODES)
+    for unit in layout.units:
+        spans = [s.span(unit) for s in shards]
+        assert spans == [(0, unit.padded // 2), (unit.padded // 2, unit.padded)]
+        assert (unit.host_offset + spans[1][0]) % NODE_ALIGN == 0
+    for change, message in (({"delivery": "replicated"}, 'delivery = "sharded"'),
+                            ({"reduction": "cpu"}, 'reduction = "gpu"'),
+                            ({"embedding_update": "gpu"}, "embedding_update = 'host'")):
+        with pytest.raises(ValueError, match=message):
+            node_shards(_nodes(0), dataclasses.replace(cfg, **change))

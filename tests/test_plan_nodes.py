@@ -104,6 +104,8 @@ def test_the_plan_over_two_nodes_is_labelled_predicted(capsys, tmp_path):
      "the planner models SlideDP over several nodes, not mode 'fsdp2'"),
     (["--nnodes=2", "--link=ib400x8", "--slidedp.reduction=cpu"],
      '--nnodes 2: SlideDP on 2 nodes reduces with slidedp.reduction = "gpu", not \'cpu\''),
+    (["--nnodes=2", "--link=ib400x8", "--slidedp.nodes_state=sharded"],
+     'the step-time model plans slidedp.nodes_state = "replicated" only, not "sharded"'),
 ])
 def test_a_plan_over_nodes_refuses_in_one_line(extra, message, capsys, tmp_path):
     flags = [CONFIG, "--rates=h200x8", "--ngpu=8", "--parallelism.mode=slidedp",

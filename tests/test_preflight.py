@@ -268,6 +268,15 @@ def test_qwen3_8b_with_clipping_fits_the_one_h200_host():
                           total=H200_HOST_TOTAL)
 
 
+def test_state_sharded_across_nodes_counts_a_node_share():
+    """slidedp.nodes_state = "sharded" on 2 nodes: each node's host state is half the whole."""
+    config, args = gpu_config("slidedp", batch=16), get_flavor("qwen3-8B")
+    whole = slidedp_host_bytes(config, args, world=16, nodes=2)  # replicated: the whole
+    config.slidedp.nodes_state = "sharded"
+    assert slidedp_host_bytes(config, args, world=16, nodes=2) == pytest.approx(whole / 2,
+                                                                                rel=1e-3)
+
+
 def test_estimate_counts_the_reduced_gradients_held_on_the_device():
     """Without the shadow and with updates during backward (12 B/param of host memory), each
     reduced gradient waits for its update on the GPU: the estimate counts one step's, 2/R

@@ -28,6 +28,7 @@ from slidedp.gpu_update import gpu_updated_units
 from slidedp.layout import SHARD_ALIGN, StateLayout
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.schedule import Use, plan_micro_batch
+from slidedp.state_io import master_view
 from tests.conftest import REPO, kill_process_tree, run_torchrun, selected, subprocess_env
 from tests.slidedp_worker import global_batches, make_config
 
@@ -995,7 +996,7 @@ def test_a_large_models_units_are_drawn_at_once_as_drawn_one_by_one(monkeypatch)
             for p in unit.params:
                 want = torch.empty(p.shape)
                 spec_of(args).init_parameter(p.name, want, generator=gen)
-                assert torch.equal(backend._master_view(p.name), want), p.name
+                assert torch.equal(master_view(backend.state, p.name), want), p.name
             assert torch.equal(backend.state.unit_view("shadow", unit.index),
                                backend.state.unit_view("master", unit.index).bfloat16())
     finally:
