@@ -105,9 +105,6 @@ def link_for(job: Job, plan: Plan, *, nodes: int, link: str) -> Link | None:
             nodes, RUNTIME_STYLES[config.slidedp.runtime].configure(config.slidedp).reduction)
     except ValueError as e:
         raise PlanError(f"--nnodes {nodes}: {e}") from None
-    if config.slidedp.nodes_state == "sharded":  # its inter-node all-gather is not modelled yet
-        raise PlanError(f'--nnodes {nodes}: the step-time model plans slidedp.nodes_state = '
-                        '"replicated" only, not "sharded"')
     name = link or plan.link
     if not name:
         raise PlanError(f"--nnodes {nodes} needs the nodes' link: --link NAME (a file of "

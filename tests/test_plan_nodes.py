@@ -2,7 +2,8 @@
 `python -m recipes.plan CONFIG --nnodes N --link L`): the shipped links load and bad ones are
 refused in one line; each rank's ring all-reduce of its BF16 shard over its NIC costs what the
 ring sends at the link's rate; a slow link shows as the step's bound; the printed plan labels
-the link's rates as not measured."""
+the link's rates as not measured; a host state sharded across the nodes halves each node's host
+memory and update, and sends each delivery's and reduction's other half over the link."""
 
 import json
 
@@ -11,6 +12,7 @@ import pytest
 from recipes.plan import main
 from slidedp.plan.link import LINKS, Link, load_link
 from slidedp.plan.steptime import simulate_step
+from slidedp.schedule import plan_micro_batch
 from tests.conftest import REPO
 from tests.test_steptime import rates, spec
 
@@ -74,6 +76,48 @@ def test_the_cross_node_all_reduce_is_charged_at_the_link_rate():
     assert two.exposed_s["inter-node"] > 0.9 * expected
 
 
+def test_a_state_sharded_across_nodes_is_updated_in_halves_and_gathered_over_the_link():
+    """Host-bound blocks (AdamW 0.5 s each on one node's rank), one rank per node, 2 nodes: with
+    the host state sharded across them each rank updates half of every unit, and each unit's
+    all-gather and reduce-scatter send the other node's half (2 B/element) over the link in
+    place of the replicated state's all-reduce of each shard; the step is the shorter."""
+    L, elems, a, nodes = 4, 1_000_000, 0.5, 2
+    r = rates(adam_gparams={4: elems / a / 1e9})
+    l = link(nic_gbits=8.0)  # 1 GB/s each way
+    kw = dict(blocks=L, block_elems=elems, fwd=0.0, bwd=0.0, head=0.0, nodes=nodes, link=l)
+    replicated = simulate_step(spec(**kw), r)
+    sharded = simulate_step(spec(**kw, sharded_nodes=True), r)
+    assert replicated.demand_s["cpu update"] == pytest.approx(L * a, rel=1e-3)
+    assert sharded.demand_s["cpu update"] == pytest.approx(L * a / nodes, rel=1e-3)
+    # Each delivered use's all-gather and each unit's reduce-scatter: (N-1)/N of the BF16 unit.
+    s = spec(**kw, sharded_nodes=True)
+    uses, _ = plan_micro_batch(L, s.slots, resident={}, embed_head_resident=False,
+                               offload=s.offload)
+    moved = 2 * (sum(s.unit_elems[u.unit] for u in uses if u.deliver) + sum(s.unit_elems))
+    assert sharded.demand_s["inter-node link"] == pytest.approx(
+        moved * (nodes - 1) / nodes / 1e9, rel=1e-3)
+    assert sharded.step_s < replicated.step_s
+
+
+def test_a_state_sharded_across_nodes_needs_host_updates_and_sharded_delivery():
+    with pytest.raises(ValueError, match="sharded across the nodes"):
+        simulate_step(spec(nodes=2, link=link(), sharded_nodes=True, delivery="replicated"),
+                      rates())
+
+
+def test_the_plan_of_a_state_sharded_across_nodes_holds_half_per_node(capsys, tmp_path):
+    flags = [CONFIG, "--rates=h200x8", "--ngpu=8", "--parallelism.mode=slidedp",
+             f"--job.dump_folder={tmp_path}", "--nnodes=2", "--link=ib400x8"]
+    host = {}
+    for state in ("replicated", "sharded"):
+        assert main([*flags, f"--slidedp.nodes_state={state}"]) == 0
+        out = capsys.readouterr().out
+        line = next(l for l in out.splitlines() if l.startswith("host memory:"))
+        host[state] = float(line.split()[2])
+        assert ("host state sharded across them" in out) == (state == "sharded")
+    assert host["sharded"] == pytest.approx(host["replicated"] / 2, rel=0.01)
+
+
 def test_several_nodes_without_a_link_cannot_be_simulated():
     from slidedp.plan.rates import MissingRate
     with pytest.raises(MissingRate, match="inter-node link"):
@@ -104,8 +148,6 @@ def test_the_plan_over_two_nodes_is_labelled_predicted(capsys, tmp_path):
      "the planner models SlideDP over several nodes, not mode 'fsdp2'"),
     (["--nnodes=2", "--link=ib400x8", "--slidedp.reduction=cpu"],
      '--nnodes 2: SlideDP on 2 nodes reduces with slidedp.reduction = "gpu", not \'cpu\''),
-    (["--nnodes=2", "--link=ib400x8", "--slidedp.nodes_state=sharded"],
-     'the step-time model plans slidedp.nodes_state = "replicated" only, not "sharded"'),
 ])
 def test_a_plan_over_nodes_refuses_in_one_line(extra, message, capsys, tmp_path):
     flags = [CONFIG, "--rates=h200x8", "--ngpu=8", "--parallelism.mode=slidedp",

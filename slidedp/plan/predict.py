@@ -96,7 +96,8 @@ def step_spec(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, 
     work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=tr.seq_len)
     batch = tr.local_batch_size
     offloaded = {p: work.activation_bytes(p, batch)[1] for p in set(policies)}
-    layout = StateLayout(args, world=world)
+    sharded = nodes > 1 and config.slidedp.nodes_state == "sharded"
+    layout = StateLayout(args, world=world * nodes if sharded else world)
     host = state_plan(config)
     return StepSpec(
         world=world, slots=s.window_slots, delivery=s.delivery, reduction=s.reduction,
@@ -111,7 +112,7 @@ def step_spec(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, 
         kernels=kernels, embedding_on_gpu=s.embedding_update == "gpu",
         resident_units=frozenset(u for u, resident in gpu_updated_units(s, args.n_layers).items() if resident),
         moments=host.moments, speculative="stands" if host.redo else "off", nodes=nodes,
-        link=link)
+        link=link, sharded_nodes=sharded)
 
 
 def state_plan(config: RunConfig) -> HostStatePlan:
@@ -128,7 +129,7 @@ def plan_run(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, w
              link: Link | None = None) -> RunPlan:
     """Memory and the predicted step of `config` (parallelism.mode = "slidedp") on `world`
     ranks of the machine of `rates`, on each of `nodes` nodes joined by `link` (memory is per
-    node: each holds its replica). `policies` replace the configuration's per-block ones;
+    node: each holds its replica, or its 1/N with slidedp.nodes_state = "sharded"). `policies` replace the configuration's per-block ones;
     without `simulate`, the memory alone (for rates that cannot time the step)."""
     if policies is not None:
         config = with_policies(config, policies)
@@ -136,7 +137,9 @@ def plan_run(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, w
     policies = policies_of(config, args)
     work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=tr.seq_len)
     batch, tokens = tr.local_batch_size, tr.local_batch_size * tr.seq_len
-    host_parts = host_state_regions(StateLayout(args, world=world), state_plan(config))
+    owners = world * nodes if nodes > 1 and config.slidedp.nodes_state == "sharded" else world
+    host_parts = {name: size * world // owners for name, size in host_state_regions(
+        StateLayout(args, world=owners), state_plan(config)).items()}
     host_parts["offload pools"] = world * sum(work.activation_bytes(p, batch)[1] for p in policies)
     measured = all(work.has_measured_bytes(p) for p in set(policies))
     device = estimate_device_memory(

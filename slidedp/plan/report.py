@@ -80,12 +80,14 @@ def describe_rates(rates: Rates) -> str:
     return f"{m.name} (rates {label})"
 
 
-def describe_nodes(nodes: int, link: Link | None) -> list[str]:
-    """The line of a plan over several nodes: how many, and their link."""
+def describe_nodes(nodes: int, link: Link | None, state: str) -> list[str]:
+    """The line of a plan over several nodes: how many, how they hold the host state
+    (slidedp.nodes_state), and their link."""
     if nodes == 1:
         return []
     label = {"measured": "measured", "spec": "from published line rates, not measured"}[link.source]
-    return [f"x {nodes} nodes (replicated host state, memory below per node), joined by "
+    held = "host state sharded across them" if state == "sharded" else "replicated host state"
+    return [f"x {nodes} nodes ({held}, memory below per node), joined by "
             f"{link.name} (link rates {label}; a predicted step)"]
 
 
@@ -182,7 +184,7 @@ def plan_text(job: Job, rates: Rates, *, world: int,
     caveat = [] if modelled else [f"step: simulated with SlideDP's own schedule (the model has "
                                   f"none for the {runtime} runtime)"]
     return [f"plan of {describe_run(job, world=world, kernels=kernels)}",
-            f"on {describe_rates(rates)}", *describe_nodes(nodes, link),
+            f"on {describe_rates(rates)}", *describe_nodes(nodes, link, config.slidedp.nodes_state),
             f"activations: {format_blocks(list(plan.policies))}",
             *dtype_note(job, rates), *format_memory(plan, rates), *caveat, *step]
 

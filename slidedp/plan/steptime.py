@@ -40,6 +40,10 @@ Over several nodes (slidedp/nodes.py, `StepSpec.nodes`) one node's ranks are sim
 node being alike: after the node's reduce-scatter each rank all-reduces its shard with the same
 local rank of the other nodes, a ring over its NIC (slidedp/plan/link.py), on the return stream
 before the shard goes home; nothing else crosses the nodes (each updates its own replica).
+With the host state sharded across the nodes (`StepSpec.sharded_nodes`, slidedp/node_shards.py)
+each rank owns 1/(ranks x nodes) of every unit: it copies and updates that much, and the unit's
+all-gather and reduce-scatter span every node, each node receiving (sending) the other nodes'
+(N-1)/N of the unit over its NICs beside the node's own collective; no all-reduce follows.
 
 SlideFormer's data parallelism (its published design, docs/DESIGN.md §4 of the brief) is the
 `schedule = "slideformer"` variant: replicated delivery cast from FP32 on the CPU, every rank
@@ -146,6 +150,9 @@ class StepSpec:
     counts every node's."""
     link: Link | None = None
     """The nodes' network (needed when `nodes` > 1)."""
+    sharded_nodes: bool = False
+    """The host state is sharded across the nodes (slidedp.nodes_state = "sharded"): every rank
+    of every node owns a shard, and the collectives span the nodes."""
 
     @property
     def waits_for_norm(self) -> bool:
@@ -217,8 +224,14 @@ class _Builder:
             if (spec.schedule, spec.reduction) != ("slidedp", "gpu"):
                 raise ValueError("several nodes need the slidedp schedule and reduction gpu "
                                  "(slidedp/nodes.py)")
+        if spec.sharded_nodes and (spec.delivery != "sharded" or spec.embedding_on_gpu
+                                   or spec.resident_units):
+            raise ValueError("a host state sharded across the nodes is delivered sharded and "
+                             "updated on the host (slidedp/node_shards.py)")
         self.spec, self.rates = spec, rates
         R = spec.world
+        # The ranks that own a shard of every unit: this node's, or every node's.
+        self.owners = R * spec.nodes if spec.sharded_nodes else R
         caps = {"host_h2d": rates.h2d_together_gbs * 1e9 * R,
                 "host_d2h": rates.d2h_together_gbs * 1e9 * R,
                 # The Adam kernel's counted bytes may exceed a STREAM figure (neither counts
@@ -271,8 +284,13 @@ class _Builder:
                 for direction in ("h2d", "d2h"):
                     for k, v in self.pcie(r, traffic, direction).items():
                         work[k] = work.get(k, 0.0) + v
-        return self.add(tuple(f"{lane}:{r}" for r in range(R)), fixed=rates.collective_latency_s,
-                        work=work, deps=deps, kind=kind)
+        fixed = rates.collective_latency_s
+        if self.spec.sharded_nodes:  # the other nodes' share of the unit crosses each node's NICs
+            N, link = self.spec.nodes, self.spec.link
+            fixed += (N - 1) * link.latency_s
+            work.update({f"nic:{j}": nbytes * (N - 1) / N / link.nics for j in range(link.nics)})
+        return self.add(tuple(f"{lane}:{r}" for r in range(R)), fixed=fixed, work=work, deps=deps,
+                        kind=kind)
 
     def across_nodes(self, r: int, nbytes: float, deps) -> int:
         """Rank r's all-reduce of its `nbytes` shard with the other nodes, over its NIC."""
@@ -376,7 +394,7 @@ class _Builder:
         """Per rank: (the delivery thread's last task for the use, the unit's arrival)."""
         spec, R = self.spec, self.spec.world
         elems = spec.unit_elems[use.unit]
-        size = elems if spec.delivery == "replicated" or R == 1 else elems // R
+        size = elems if spec.delivery == "replicated" or self.owners == 1 else elems // self.owners
         out = []
         for r, rk in enumerate(self.ranks):
             gate = [self.ranks[o].updated.get(use.unit) for o in self._owners(r)]
@@ -403,7 +421,7 @@ class _Builder:
                 copies.append(self.copy(f"dstream:{r}", r, 2 * n, "h2d", [thread, release],
                                         kind="h2d"))
             out.append((thread, copies[-1]))
-        if spec.delivery == "sharded" and R > 1:
+        if spec.delivery == "sharded" and self.owners > 1:
             gathered = self.collective(2 * elems, self.rates.all_gather_gbs, [a for _, a in out],
                                        lane="dstream", kind="collective")
             out = [(t, gathered) for t, _ in out]
@@ -429,12 +447,12 @@ class _Builder:
         elems = spec.unit_elems[unit]
         if spec.reduction == "gpu":
             starts = [self.add(f"uthread:{r}", deps=[host[r]], kind="issue") for r in range(R)]
-            if R > 1:  # every rank's update thread must have issued it: one collective
+            if self.owners > 1:  # every rank's update thread must have issued it: one collective
                 reduced = [self.collective(2 * elems, self.rates.reduce_scatter_gbs,
                                            [*starts, *gpu], lane="rstream", kind="collective")] * R
             else:
                 reduced = [self.add("rstream:0", deps=[starts[0], gpu[0]], kind="issue")]
-            if spec.nodes > 1:
+            if spec.nodes > 1 and not spec.sharded_nodes:
                 reduced = [self.across_nodes(r, 2 * elems // R, [reduced[r]]) for r in range(R)]
             for r in range(R):
                 if self._on_gpu(unit):  # the reduced shard waits on the GPU for its update
@@ -445,9 +463,9 @@ class _Builder:
                         self.ranks[r].updated[unit] = ready
                     continue
                 copies = [self.copy(f"rstream:{r}", r, 2 * n, "d2h", [reduced[r]], kind="d2h")
-                          for n in chunks(elems // R, spec.chunk_elems)]  # issued at once
+                          for n in chunks(elems // self.owners, spec.chunk_elems)]  # issued at once
                 prev: list = []
-                for n, landed in zip(chunks(elems // R, spec.chunk_elems), copies):
+                for n, landed in zip(chunks(elems // self.owners, spec.chunk_elems), copies):
                     prev = self._accumulate_and_update(r, n, [landed, *prev], micro, update)
                 self._job_done(r, unit, prev[0], update)
             return
@@ -549,7 +567,7 @@ class _Builder:
                     prev = [end]
                 else:
                     for n in chunks(spec.unit_elems[unit] if sole else spec.unit_elems[unit]
-                                    // spec.world, spec.chunk_elems):
+                                    // self.owners, spec.chunk_elems):
                         prev = [self.host_pass(r, n, kind="adam", deps=prev, grad="fp32")]
                     ready = prev[0]
                 self.ranks[r].updated[unit] = ready
