@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from protocols.model_spec import get_flavor
 from recipes.baselines.eager import build_fsdp2_backend
@@ -105,6 +106,22 @@ def _sharded_across_nodes(rank: int, world: int, save_dir: str) -> dict:
     return out
 
 
+def _restarted_replicas(rank: int, world: int, save_dir: str) -> dict:
+    """Replicated across nodes: STEPS steps, node 0 saving after the one before last; then both
+    nodes restart (new backends) from that save and take the last step again."""
+    os.makedirs(save_dir, exist_ok=True)
+    cfg = run_config(make_config({"delivery": "sharded"}, accum=ACCUM, max_norm=MAX_NORM))
+    build = lambda: SlideDPBackend(cfg, get_flavor(FLAVOR), device=torch.device("cpu"),
+                                   dp_rank=rank, dp_world=world)
+    out = _train(build(), rank, accum=ACCUM, save=(STEPS - 1, save_dir))
+    dist.barrier()  # node 0's files are complete before any node reads them
+    resumed = build()
+    resumed.load_state(save_dir)
+    out["resumed"] = _train(resumed, rank, accum=ACCUM, first=STEPS)
+    out["files"] = sorted(os.listdir(save_dir))
+    return out
+
+
 def _nodes_rank(rank: int, world: int, save_dir: str) -> dict:
     """On 2 nodes x 2 ranks: fsdp2 over all 4, SlideDP's variants, the checksum's detection
     and the refusal of a node whose configuration differs."""
@@ -117,8 +134,13 @@ def _nodes_rank(rank: int, world: int, save_dir: str) -> dict:
         cfg = make_config(variant, accum=accum, max_norm=MAX_NORM)
         out[name] = _train(SlideDPBackend(run_config(cfg), get_flavor(FLAVOR), device=torch.device("cpu"),
                                           dp_rank=rank, dp_world=world), rank, accum=accum)
-    cfg = make_config({"replica_check_every": 2}, accum=1, max_norm=MAX_NORM)
+    out["restarted"] = _restarted_replicas(rank, world, f"{save_dir}/replicated")
     out["across"] = _sharded_across_nodes(rank, world, save_dir)
+    cfg = make_config({"nodes_state": "sharded"}, accum=1, max_norm=MAX_NORM)
+    out["across-one"] = _train(SlideDPBackend(run_config(cfg), get_flavor(FLAVOR),
+                                              device=torch.device("cpu"), dp_rank=rank,
+                                              dp_world=world), rank, accum=1)
+    cfg = make_config({"replica_check_every": 2}, accum=1, max_norm=MAX_NORM)
     out["diverged"] = _train(SlideDPBackend(run_config(cfg), get_flavor(FLAVOR), device=torch.device("cpu"),
                                             dp_rank=rank, dp_world=world),
                              rank, accum=1, corrupt_after=1)
@@ -182,6 +204,14 @@ def test_state_sharded_across_nodes_matches_fsdp2_and_single(nodes_runs):
     assert_matches_reference([{**run, "variant": "across"}], ref_losses, ref_weights)
 
 
+def test_state_sharded_across_nodes_without_accumulation_matches_single(nodes_runs):
+    run = nodes_runs[0]["across-one"]
+    assert all(r["across-one"]["losses"] == run["losses"] for r in nodes_runs)
+    ref_losses, ref_weights = single_reference(world=WORLD, flavor=FLAVOR, steps=STEPS,
+                                               accum=1, max_norm=MAX_NORM)
+    assert_matches_reference([{**run, "variant": "across-one"}], ref_losses, ref_weights)
+
+
 def test_state_sharded_across_nodes_holds_a_node_share(nodes_runs):
     """Each node's memfd holds the host state's 1/N (its pages that exist, and the state's
     own account), not the whole."""
@@ -200,6 +230,22 @@ def test_state_sharded_across_nodes_resumes(nodes_runs):
         assert resumed["grad_norms"] == run["grad_norms"][-1:]
         for name, w in run["weights"].items():
             assert torch.equal(w, resumed["weights"][name]), name
+
+
+def test_replicas_resume_after_both_nodes_restart(nodes_runs):
+    """Node 0 alone writes the replicated state (its local ranks' files); both nodes load them
+    and take the last step again bit for bit, the replicas still identical."""
+    for r in nodes_runs:
+        run, resumed = r["restarted"], r["restarted"]["resumed"]
+        assert run["files"] == [f"slidedp-rank{i}-of-{WORLD // NODES}.safetensors"
+                                for i in range(WORLD // NODES)]
+        assert resumed["losses"] == run["losses"][-1:]
+        assert resumed["grad_norms"] == run["grad_norms"][-1:]
+        for name, w in run["weights"].items():
+            assert torch.equal(w, resumed["weights"][name]), name
+    node0, node1 = (nodes_runs[n]["restarted"]["resumed"] for n in (0, 2))
+    for name, w in node0["weights"].items():
+        assert torch.equal(w, node1["weights"][name]), name
 
 
 def test_replica_checksum_detects_a_diverged_node(nodes_runs):
