@@ -44,12 +44,12 @@ FLAVOR = "qwen3-debug"
 
 
 def _train(backend, rank: int, *, accum: int, corrupt_after: int | None = None,
-           save: tuple[int, str] | None = None, first: int = 1) -> dict:
-    """Steps `first` to STEPS of the worker's global batches, rank `rank`'s slice; with
+           save: tuple[int, str] | None = None, first: int = 1, steps: int = STEPS) -> dict:
+    """Steps `first` to `steps` of the worker's global batches, rank `rank`'s slice; with
     `corrupt_after`, node 1's local rank 0 nudges its own replica's master after that step;
     `save` = (step, folder): the host state saved after that step."""
     losses, norms, error = [], [], None
-    data = global_batches(steps=STEPS, accum=accum, batch=2 * WORLD, seq=16,
+    data = global_batches(steps=steps, accum=accum, batch=2 * WORLD, seq=16,
                           vocab=get_flavor(FLAVOR).vocab_size, seed=7)
     for step, micro in enumerate(data, 1):
         if step < first:
@@ -135,6 +135,9 @@ def _nodes_rank(rank: int, world: int, save_dir: str) -> dict:
         out[name] = _train(SlideDPBackend(run_config(cfg), get_flavor(FLAVOR), device=torch.device("cpu"),
                                           dp_rank=rank, dp_world=world), rank, accum=accum)
     out["restarted"] = _restarted_replicas(rank, world, f"{save_dir}/replicated")
+    cfg = make_config({"replica_check_every": 1}, accum=1, max_norm=MAX_NORM)
+    out["long"] = _train(SlideDPBackend(run_config(cfg), get_flavor(FLAVOR), device=torch.device("cpu"),
+                                        dp_rank=rank, dp_world=world), rank, accum=1, steps=20)
     out["across"] = _sharded_across_nodes(rank, world, save_dir)
     cfg = make_config({"nodes_state": "sharded"}, accum=1, max_norm=MAX_NORM)
     out["across-one"] = _train(SlideDPBackend(run_config(cfg), get_flavor(FLAVOR),
@@ -230,6 +233,17 @@ def test_state_sharded_across_nodes_resumes(nodes_runs):
         assert resumed["grad_norms"] == run["grad_norms"][-1:]
         for name, w in run["weights"].items():
             assert torch.equal(w, resumed["weights"][name]), name
+
+
+def test_replicas_stay_bit_identical_over_twenty_steps(nodes_runs):
+    """The checksum compared the replicas after each of 20 steps and found none differ; at the
+    end node 1's master and moments are node 0's, bit for bit."""
+    node0, node1 = nodes_runs[0]["long"], nodes_runs[2]["long"]
+    assert node0["error"] is None and len(node0["losses"]) == 20
+    for name, w in node0["weights"].items():
+        assert torch.equal(w, node1["weights"][name]), name
+    for name, m in node0["state"].items():
+        assert torch.equal(m, node1["state"][name]), name
 
 
 def test_replicas_resume_after_both_nodes_restart(nodes_runs):
