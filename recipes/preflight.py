@@ -236,17 +236,16 @@ def slidedp_host_bytes(config: JobConfig, args: ModelArgs, *, world: int,
     of slidedp.bf16_shadow if given): the regions HostStatePlan.for_run picks; on `nodes` that
     shard it (slidedp.nodes_state = "sharded"), one node's part."""
     from slidedp.host_state import HostStatePlan, host_state_bytes
-    from slidedp.layout import NodeShards, StateLayout
+    from slidedp.layout import node_layout
 
     training, cfg = config.training, config.slidedp
     if bf16_shadow is not None:
         cfg = replace(cfg, bf16_shadow=bf16_shadow)
     plan = HostStatePlan.for_run(cfg, grad_accum_steps=training.grad_accum_steps,
                                  max_norm=training.max_norm, nonfinite=training.nonfinite)
-    if nodes == 1 or cfg.nodes_state == "replicated":
-        return host_state_bytes(StateLayout(args, world=world), plan)
-    return host_state_bytes(StateLayout(args, world=world, nodes=nodes), plan,
-                            NodeShards(first=0, count=world // nodes, world=world))
+    layout, shards = node_layout(args, ranks=world // nodes, nodes=nodes,
+                                 sharded=cfg.nodes_state == "sharded")
+    return host_state_bytes(layout, plan, shards)
 
 
 def check_host_memory(config: JobConfig, args: ModelArgs, *, world: int, on_cpu: bool,

@@ -144,3 +144,15 @@ class StateLayout:
     def block_padded(self) -> int:
         """Flat size of one block slot on the GPU (all blocks have the same shape)."""
         return self.units[1].padded
+
+
+def node_layout(args: ModelArgs, *, ranks: int, nodes: int,
+                sharded: bool) -> tuple[StateLayout, NodeShards]:
+    """The layout of `ranks` ranks per node on `nodes` nodes and the part of it a node holds:
+    with `sharded` (slidedp.nodes_state) every rank of every node owns a shard of every unit and
+    a node holds its ranks' part; otherwise each node lays out its own ranks' whole replica."""
+    if nodes == 1 or not sharded:
+        return StateLayout(args, world=ranks), NodeShards(first=0, count=ranks, world=ranks)
+    owners = ranks * nodes
+    return (StateLayout(args, world=owners, nodes=nodes),
+            NodeShards(first=0, count=ranks, world=owners))

@@ -10,7 +10,7 @@ from protocols.model_spec import ModelArgs
 from slidedp.activations import ActivationPolicy, block_policies
 from slidedp.gpu_update import gpu_updated_units
 from slidedp.host_state import HostStatePlan, host_state_regions, updates_deferred
-from slidedp.layout import StateLayout, chunk_elems
+from slidedp.layout import chunk_elems, node_layout
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.memory import MemoryEstimate, estimate_device_memory
 from slidedp.plan.link import Link
@@ -97,7 +97,7 @@ def step_spec(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, 
     batch = tr.local_batch_size
     offloaded = {p: work.activation_bytes(p, batch)[1] for p in set(policies)}
     sharded = nodes > 1 and config.slidedp.nodes_state == "sharded"
-    layout = StateLayout(args, world=world * nodes if sharded else world)
+    layout, _ = node_layout(args, ranks=world, nodes=nodes, sharded=sharded)
     host = state_plan(config)
     return StepSpec(
         world=world, slots=s.window_slots, delivery=s.delivery, reduction=s.reduction,
@@ -137,9 +137,10 @@ def plan_run(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, w
     policies = policies_of(config, args)
     work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=tr.seq_len)
     batch, tokens = tr.local_batch_size, tr.local_batch_size * tr.seq_len
-    owners = world * nodes if nodes > 1 and config.slidedp.nodes_state == "sharded" else world
-    host_parts = {name: size * world // owners for name, size in host_state_regions(
-        StateLayout(args, world=owners), state_plan(config)).items()}
+    layout, shards = node_layout(args, ranks=world, nodes=nodes,
+                                 sharded=config.slidedp.nodes_state == "sharded")
+    host_parts = {name: size * shards.count // shards.world
+                  for name, size in host_state_regions(layout, state_plan(config)).items()}
     host_parts["offload pools"] = world * sum(work.activation_bytes(p, batch)[1] for p in policies)
     measured = all(work.has_measured_bytes(p) for p in set(policies))
     device = estimate_device_memory(
