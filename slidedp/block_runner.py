@@ -20,7 +20,7 @@ from protocols.model_spec import ModelArgs, ModelSpec
 from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Offloader,
                                  WeightRefs, block_input, describe_costs, measure_costs,
                                  offload_bytes)
-from slidedp.delivery import Delivery
+from slidedp.routes.delivery import Delivery
 from slidedp.gpu_update import PREFETCH_AT_BLOCK
 from slidedp.gradient_flow import GradientFlow
 from slidedp.host_state import StepAborted, available_host_bytes

@@ -7,7 +7,7 @@ from protocols.bounds import Checked, at_least, within
 from slidedp.update_order import UpdateOrderName
 
 DeliveryRoute = Literal["replicated", "sharded"]
-"""Host->GPU parameter routes (slidedp/delivery.py)."""
+"""Host->GPU parameter routes (slidedp/routes/delivery.py)."""
 ReductionRoute = Literal["gpu", "cpu", "locked"]
 """GPU->host gradient routes (slidedp/update.py)."""
 RuntimeName = Literal["slidedp", "slideformer", "megatrain"]

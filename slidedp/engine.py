@@ -4,7 +4,7 @@ Three threads per rank:
   compute (the caller)  forward/backward block by block through the GPU window
                         (slidedp/block_runner.py);
   delivery              version gate -> host->GPU copy (+ all-gather) into a free buffer, ahead
-                        of use (slidedp/block_runner.py, slidedp/delivery.py);
+                        of use (slidedp/block_runner.py, slidedp/routes/delivery.py);
   update                gradient returns, then the updates on the rank's shard
                         (slidedp/gradient_flow.py, slidedp/holds.py).
 Each step reports its bytes moved and where the threads' time went (slidedp/step_metrics.py).
@@ -22,9 +22,7 @@ before the host reads the norm: fused AdamW scales each gradient and skips a non
 the device.
 """
 
-import math
 import os
-import time
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -39,7 +37,7 @@ from slidedp import affinity, cpu_adam, state_io
 from slidedp.activations import Offloader, block_policies
 from slidedp.block_runner import BlockPolicies, BlockRunner
 from slidedp.config import EmbeddingUpdate, SlideDPConfig
-from slidedp.gpu_update import check_gpu_updates, device_clip, gpu_updated_units
+from slidedp.gpu_update import check_gpu_updates, gpu_updated_units
 from slidedp.gradient_flow import GradientFlow, StepUpdate
 from slidedp.holds import Hold
 from slidedp.host_memory import HostMemoryCheck
@@ -49,7 +47,7 @@ from slidedp.node_shards import master_parameters, node_shards
 from slidedp.nodes import Nodes, ReplicaCheck, node_fields
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.rank_groups import RankGroups
-from slidedp.routes import build_routes, check_routes
+from slidedp.routes.build import build_routes, check_routes
 from slidedp.run_config import RunConfig
 from slidedp.save_gate import SaveGate
 from slidedp.speculative import check_speculative
@@ -256,8 +254,8 @@ class SlideDPBackend:
             raise RuntimeError("SlideDP: an earlier step failed on this rank; its host state is "
                                "mid-update, so restart from the last checkpoint")
         # Refused before any work if the host state has no place for the step's gradients.
-        hold = self.state.plan.hold(n_micro=len(micro_batches), reduction=self.grad_return.route,
-                                    deferred=self.deferred)
+        hold = self.grad_return.hold(self.state.plan, n_micro=len(micro_batches),
+                                     deferred=self.deferred)
         try:
             result = self._train_step(micro_batches, hold=hold, lr=lr,
                                       global_target_tokens=global_target_tokens)
@@ -299,46 +297,22 @@ class SlideDPBackend:
             loss += self.runner.micro_batch(micro, tokens, labels, rope,
                                             global_tokens=global_target_tokens,
                                             version=self.steps_done)
-        device_totals = None
-        if self.flow.norm_on_device:
-            # Every update reads its gradient on the GPU: they are queued now, behind backward,
-            # scaled and skipped there as the step's norm says, while the host waits below.
-            self.flow.wait_returns()  # every unit's norm is issued
-            device_totals, scale = device_clip(
-                self.grad_return.take_device_normsq(), loss, max_norm=self.max_norm,
-                guard=self.guard, group=self.groups.reduce, cross=self.groups.cross,
-                streams=self.streams)
-            self.flow.queue_updates(scale, skip=False)
-        # What the step waits for after the GPUs finish its compute: its gradients coming home
-        # (and on the cpu route without deferral their updates, which take the norm).
-        Streams.synchronize(self.streams.record())
-        tail.compute_end = t_compute = time.perf_counter()
-        self.flow.wait_returns()
-        t_returned = time.perf_counter()
-        if device_totals is not None:
-            totals = device_totals.cpu()
-        else:
-            totals = self.groups.sum_totals(
-                torch.tensor([self.flow.take_normsq(), float(loss)], dtype=torch.float64))
-        grad_norm, loss_sum = math.sqrt(totals[0].item()), totals[1].item() * global_target_tokens
+        settled = self.flow.settle(loss, groups=self.groups, max_norm=self.max_norm,
+                                   guard=self.guard, global_tokens=global_target_tokens,
+                                   tail=tail)
         self.steps_done += 1
-        # Global values: every rank takes the same decision.
-        skipped = self.guard and not (math.isfinite(grad_norm) and math.isfinite(loss_sum))
-        if not skipped:
+        if not settled.skipped:
             self.adam_steps += 1
-        if self.deferred and device_totals is None:
-            # Skipped: nothing is updated, the next step may read every unit.
-            coef = min(1.0, self.max_norm / (grad_norm + 1e-6)) if self.max_norm > 0 else 1.0
-            self.flow.queue_updates(coef, skip=skipped)
         if self.style.update_after_backward:  # none overlaps the next step
             self._drain()
         extra = self.traffic.take()
         if self.flow.speculated:  # how often speculation pays: 1 when this step's updates are redone
-            extra["speculative_redo"] = float(coef != 1.0 or skipped)
-        extra.update(update_wait_s=t_returned - t_compute, **self.times.report())
+            extra["speculative_redo"] = float(settled.coef != 1.0 or settled.skipped)
+        extra.update(update_wait_s=settled.update_wait_s, **self.times.report())
         if self.replicas.due(self.steps_done):
             self._drain()  # the checksum reads this step's updates: they end first
-        return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, extra=extra, skipped=skipped)
+        return StepResult(loss_sum=settled.loss_sum, grad_norm=settled.grad_norm, extra=extra,
+                          skipped=settled.skipped)
 
     # ---- outside the step ---------------------------------------------------------------------
 

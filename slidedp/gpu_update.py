@@ -28,7 +28,7 @@ On the CPU (tests) the "device" copies are ordinary tensors and every copy is sy
 """
 
 from dataclasses import dataclass
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 import torch
 import torch.distributed as dist
@@ -36,11 +36,14 @@ import torch.distributed as dist
 from slidedp.config import EmbeddingUpdate, MomentsDtype, SlideDPConfig
 from slidedp.gpu_adamw import adamw_step
 from slidedp.host_state import SharedHostState
-from slidedp.layout import Unit
+from slidedp.layout import Unit, chunks
 from slidedp.nodes import add_other_nodes_loss
 from slidedp.streams import Streams
 from slidedp.traffic import Traffic
 from slidedp.update import AdamHyper
+
+if TYPE_CHECKING:
+    from slidedp.plan.steptime import StepBuilder
 
 PREFETCH_AT_BLOCK = 4
 """The state's copy to the GPU is issued when backward reaches this block: the backward of the
@@ -48,6 +51,10 @@ blocks before it hides the copy, and by then nearly every saved activation is fr
 
 GPU_CHUNK = 1 << 26
 """Elements per piece of the update: bounds its FP32 gradient temporary (256 MiB)."""
+GPU_ADAM_BYTES = 28
+"""Device bytes per parameter of an AdamW on the GPU (GpuUpdate.update, slidedp/gpu_adamw.py's
+one pass): read the BF16 gradient (2) and the FP32 p, m, v (12), write p, m, v (12) and the BF16
+copy of the weights (2: sent home, or the resident copy)."""
 
 
 def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: int,
@@ -285,3 +292,31 @@ class GpuUpdate:
             self._copy_home(self._pieces, skip=None)
             self._ahead = False
         Streams.synchronize(self._home)
+
+
+def simulate_state_copy(b: "StepBuilder", r: int, per_elem: int, direction: str, deps) -> int:
+    """The step-time model's copy of `per_elem` bytes per element of rank r's embedding shard
+    between the host and its GPU on the update stream (`prefetch`, `_copy_home`): a copy per
+    region (4 B/elem each, the BF16 shadow one) per piece of GPU_CHUNK elements."""
+    shard = b.spec.unit_elems[0] // b.spec.world
+    return b.copy(f"gstream:{r}", r, per_elem * shard, direction, deps, kind=direction,
+                  n_chunks=len(chunks(shard, GPU_CHUNK)) * -(-per_elem // 4))
+
+
+def simulate_gpu_update(b: "StepBuilder", r: int, unit: int, deps) -> tuple[int, int]:
+    """The step-time model's GpuUpdate.update of `unit` on rank r's GPU: (the update thread's
+    end of it, what the version gate waits for). Streamed (the embedding): its delivery source
+    goes home, which the update thread waits for, and the rest of its state after it. Resident:
+    the thread only issues it; the gate waits for it on the device."""
+    shard, shadow = b.spec.unit_elems[unit] // b.spec.world, b.spec.bf16_shadow
+    seconds = shard * GPU_ADAM_BYTES / (b.rates.hbm_gbs * 1e9)
+    if unit in b.spec.resident_units:
+        issued = b.add(f"uthread:{r}", deps=deps, kind="issue")
+        return issued, b.add(f"gpu:{r}", work={f"gpu:{r}": seconds}, deps=[issued],
+                             kind="gpu update")
+    adam = b.add(f"gpu:{r}", work={f"gpu:{r}": seconds},
+                 deps=[*deps, b.ranks[r].state_on_gpu], kind="gpu update")
+    home = simulate_state_copy(b, r, 2 if shadow else 4, "d2h", [adam])
+    simulate_state_copy(b, r, 12 if shadow else 8, "d2h", [home])  # the next prefetch waits
+    synced = b.add(f"uthread:{r}", deps=[home], kind="sync")
+    return synced, synced

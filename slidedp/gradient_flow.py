@@ -20,14 +20,17 @@ nothing: it only restores what held its gradients and opens its version gates. S
 before the norm is known and are settled after it.
 """
 
+import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from slidedp import speculative as speculative_state
-from slidedp.gpu_update import STATE_REGIONS, GpuUpdate, GradScale
+from slidedp.gpu_update import STATE_REGIONS, GpuUpdate, GradScale, device_clip
 from slidedp.holds import Chunks, Hold
 from slidedp.host_state import SharedHostState, StepAborted
 from slidedp.layout import Unit
@@ -35,8 +38,12 @@ from slidedp.save_gate import SaveGate
 from slidedp.step_metrics import StepTimes, UpdateTail
 from slidedp.streams import Streams
 from slidedp.traffic import Traffic
-from slidedp.update import GradientReturn, HostOptimizer, Returned
+from slidedp.routes.reduction import GradientReturn, Returned
+from slidedp.update import HostOptimizer
 from slidedp.update_order import UpdateOrder, UpdateQueue
+
+if TYPE_CHECKING:
+    from slidedp.rank_groups import RankGroups
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,22 @@ class StepUpdate:
     """The version gate value the update opens."""
     tail: UpdateTail
     """Counts the step's updates down."""
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A step's global outcome (GradientFlow.settle)."""
+
+    grad_norm: float
+    """The global gradient norm."""
+    loss_sum: float
+    """The loss summed over the step's tokens, every rank's."""
+    skipped: bool
+    """The non-finite guard skipped the step's updates."""
+    coef: float
+    """The host updates' clipping coefficient (1: none; GPU-taken norms scale on the GPU)."""
+    update_wait_s: float
+    """Seconds the step waited, after its compute, for its gradients to come home."""
 
 
 class GradientFlow:
@@ -145,6 +168,42 @@ class GradientFlow:
         self._normsq += self.route.take_normsq()
         value, self._normsq = self._normsq, 0.0
         return value
+
+    def settle(self, loss: torch.Tensor, *, groups: "RankGroups", max_norm: float, guard: bool,
+               global_tokens: int, tail: UpdateTail) -> Settled:
+        """The step's finish once its micro-batches are issued (`loss`: this rank's summed loss
+        over `global_tokens`): the global norm and loss, the clipping coefficient and the
+        non-finite decision, which every rank takes alike from the same totals, and the updates
+        that waited for them queued."""
+        device_totals = None
+        if self.norm_on_device:
+            # Every update reads its gradient on the GPU: they are queued now, behind backward,
+            # scaled and skipped there as the step's norm says, while the host waits below.
+            self.wait_returns()  # every unit's norm is issued
+            device_totals, scale = device_clip(
+                self.route.take_device_normsq(), loss, max_norm=max_norm, guard=guard,
+                group=groups.reduce, cross=groups.cross, streams=self.streams)
+            self.queue_updates(scale, skip=False)
+        # What the step waits for after the GPUs finish its compute: its gradients coming home
+        # (and on the cpu route without deferral their updates, which take the norm).
+        Streams.synchronize(self.streams.record())
+        tail.compute_end = t_compute = time.perf_counter()
+        self.wait_returns()
+        t_returned = time.perf_counter()
+        if device_totals is not None:
+            totals = device_totals.cpu()
+        else:
+            totals = groups.sum_totals(
+                torch.tensor([self.take_normsq(), float(loss)], dtype=torch.float64))
+        grad_norm, loss_sum = math.sqrt(totals[0].item()), totals[1].item() * global_tokens
+        skipped = guard and not (math.isfinite(grad_norm) and math.isfinite(loss_sum))
+        coef = 1.0
+        if self.deferred and device_totals is None:
+            # Skipped: nothing is updated, the next step may read every unit.
+            coef = min(1.0, max_norm / (grad_norm + 1e-6)) if max_norm > 0 else 1.0
+            self.queue_updates(coef, skip=skipped)
+        return Settled(grad_norm=grad_norm, loss_sum=loss_sum, skipped=skipped, coef=coef,
+                       update_wait_s=t_returned - t_compute)
 
     def queue_updates(self, coef: float | GradScale, *, skip: bool) -> None:
         """The step's updates that waited for its norm, scaled by `coef` (a skipped step's

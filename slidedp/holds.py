@@ -7,7 +7,7 @@ The cpu route's host sum feeds the update as it arrives, or, deferred, its stagi
 and are summed again at the update; the locked route's one sum of every rank's gradients waits
 where the ranks added it.
 
-`HostStatePlan.hold` picks a step's hold. The gradient flow (slidedp/gradient_flow.py) calls it
+The reduction route's `hold` (slidedp/routes/reduction.py) picks a step's hold. The gradient flow (slidedp/gradient_flow.py) calls it
 at the three points where holds differ: a gradient arrives (`land`), the update reads it
 (`chunks`), a skipped step leaves it (`skip`).
 """
@@ -23,7 +23,7 @@ from slidedp.streams import Streams
 
 if TYPE_CHECKING:
     from slidedp.gradient_flow import GradientFlow
-    from slidedp.update import GradientReturn, Returned
+    from slidedp.routes.reduction import GradientReturn, Returned
 
 Chunks = Iterable[tuple[int, int, torch.Tensor]]
 """A unit's summed gradient shard: (start, end, chunk) in unit-local coordinates."""
@@ -39,6 +39,8 @@ class Hold:
     """The host region the gradient waits in; None: none of its own."""
     update_on_return: ClassVar[bool] = False
     """The update runs in the return job, as the gradient arrives (nothing waits)."""
+    on_device: ClassVar[bool] = False
+    """The reduced shards wait in GPU memory (the planner counts them there)."""
 
     def land(self, flow: "GradientFlow", route: "GradientReturn", unit: Unit,
              returned: "Returned", *, micro: int, n_micro: int) -> object:
@@ -68,6 +70,7 @@ class DeviceHold(Hold):
     """The reduced shard waits on the GPU and is copied home at the update."""
 
     name = "device"
+    on_device = True
 
 
 class StagingHold(Hold):

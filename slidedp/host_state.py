@@ -47,9 +47,9 @@ import torch
 
 from slidedp.config import MomentsDtype, SlideDPConfig
 from slidedp.cpu_adam import MOMENT_BLOCK, moment_scales
-from slidedp.holds import HOLDS, Hold
 from slidedp.layout import SHARD_ALIGN, NodeShards, StateLayout, Unit
 from slidedp.peer_styles import RUNTIME_STYLES
+from slidedp.routes import REDUCTIONS
 from slidedp.streams import register_host, unregister_host
 
 _CONTROL_FIELDS = ("version", "ready", "consumed")
@@ -66,7 +66,7 @@ def updates_deferred(*, max_norm: float, nonfinite: str, reduction: str = "gpu")
     """The updates wait for the step's global norm: to clip, to skip a non-finite step (the
     guard, unless training.nonfinite = "off"), or on the locked route, whose one sum is complete
     only when every rank's backward is."""
-    return max_norm > 0 or nonfinite != "off" or reduction == "locked"
+    return max_norm > 0 or nonfinite != "off" or REDUCTIONS[reduction].defers_updates
 
 
 class StepAborted(RuntimeError):
@@ -108,54 +108,15 @@ class HostStatePlan:
         The runtime style (slidedp/peer_styles.py) sets its routes, shadow and master first."""
         style = RUNTIME_STYLES[cfg.runtime]
         cfg = style.configure(cfg)
+        route = REDUCTIONS[cfg.reduction]
         deferred = updates_deferred(max_norm=max_norm, nonfinite=nonfinite, reduction=cfg.reduction)
-        accumulate = grad_accum_steps > 1
-        locked = cfg.reduction == "locked"
         redo = deferred and cfg.speculative_update
-        return cls(bf16_shadow=cfg.bf16_shadow,
-                   grad_bf16=(deferred and not accumulate and (redo or not cfg.bf16_shadow)
-                              and cfg.reduction == "gpu"),
-                   redo=redo,
-                   grad_accum=accumulate or locked, cpu_staging=cfg.reduction == "cpu",
-                   bf16_master=style.bf16_master, grad_lock=locked,
+        regions = route.regions(deferred=deferred, accumulate=grad_accum_steps > 1,
+                                shadow=cfg.bf16_shadow, redo=redo)
+        return cls(bf16_shadow=cfg.bf16_shadow, grad_bf16="grad_bf16" in regions, redo=redo,
+                   grad_accum="grad_accum" in regions, cpu_staging="staging" in regions,
+                   bf16_master=style.bf16_master, grad_lock=route.shared_sum,
                    moments=cfg.moments_dtype)
-
-    def hold(self, *, n_micro: int, reduction: str, deferred: bool) -> Hold:
-        """Where a step of `n_micro` micro-batches on the `reduction` route keeps its gradients
-        until their updates (slidedp/holds.py; raises if these regions have no place for
-        them)."""
-        return HOLDS[self._hold_name(n_micro=n_micro, reduction=reduction, deferred=deferred)]
-
-    def _hold_name(self, *, n_micro: int, reduction: str, deferred: bool) -> str:
-        if reduction == "locked":  # the one sum serves any number of micro-batches
-            if not self.grad_lock:
-                raise ValueError("SlideDP: reduction='locked' needs the shared gradient sum: "
-                                 "start with slidedp.reduction = 'locked'")
-            return "shared_accum"
-        if n_micro > 1:
-            if not self.grad_accum:
-                raise ValueError(f"SlideDP: {n_micro} micro-batches per step need the FP32 "
-                                 "accumulation buffer: start with training.grad_accum_steps > 1")
-            return "grad_accum"
-        if self.redo:  # the shadow takes the speculative update's weights
-            if reduction != "gpu" or not self.grad_bf16:
-                raise ValueError('SlideDP: speculative updates need slidedp.reduction = "gpu" and '
-                                 "one micro-batch per step")
-            return "grad_bf16"
-        if reduction == "cpu":
-            return "staging" if deferred else "none"
-        # BF16 as reduced; the shadow's unit is not read again before the unit's update.
-        if self.bf16_shadow:
-            return "shadow"
-        if self.grad_bf16:
-            return "grad_bf16"
-        if not deferred:
-            return "device"
-        if self.grad_accum:
-            return "grad_accum"
-        raise ValueError("SlideDP: updates that wait for the step's norm need a host gradient "
-                         "buffer on reduction='gpu': start with slidedp.reduction = 'gpu' or "
-                         "with slidedp.bf16_shadow")
 
     def state_regions(self) -> tuple[str, ...]:
         """The regions of the optimizer state proper (what a save holds)."""

@@ -156,3 +156,9 @@ def node_layout(args: ModelArgs, *, ranks: int, nodes: int,
     owners = ranks * nodes
     return (StateLayout(args, world=owners, nodes=nodes),
             NodeShards(first=0, count=ranks, world=owners))
+
+
+def chunks(n: int, chunk: int) -> list[int]:
+    """Sizes of the chunks of `n` elements, `chunk` at a time."""
+    full, rest = divmod(n, chunk)
+    return [chunk] * full + ([rest] if rest else [])

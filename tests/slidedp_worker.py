@@ -133,7 +133,7 @@ def main() -> None:
             clips[0] += 1
             return device_clip(*args, **kwargs)
 
-        mock.patch("slidedp.engine.device_clip", counted_clip).start()
+        mock.patch("slidedp.gradient_flow.device_clip", counted_clip).start()
         for step, micro in enumerate(data):
             if route_steps:
                 delivery, reduction = route_steps[step]

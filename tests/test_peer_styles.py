@@ -13,6 +13,7 @@ from slidedp.config import SlideDPConfig
 from slidedp.host_state import HostStatePlan, host_state_bytes, updates_deferred
 from slidedp.layout import StateLayout
 from slidedp.peer_styles import RUNTIME_STYLES
+from slidedp.routes import REDUCTIONS
 from tests.test_slidedp import (ODD_CHUNK, Case, assert_host_bytes, assert_matches_reference,
                                 launched_cases, single_reference)
 
@@ -119,10 +120,10 @@ def test_style_sets_routes_layout_and_host_bytes():
                                  max_norm=0.0, nonfinite="off")
     # Updates after the whole backward, from the one shared sum, even without clipping.
     assert updates_deferred(max_norm=0.0, nonfinite="off", reduction="locked")
-    assert plan.hold(n_micro=4, reduction="locked", deferred=True).name == "shared_accum"
+    assert REDUCTIONS["locked"].hold(plan, n_micro=4, deferred=True).name == "shared_accum"
     without_lock = HostStatePlan.for_run(base, grad_accum_steps=1, max_norm=0.0, nonfinite="off")
     with pytest.raises(ValueError, match="needs the shared gradient sum"):
-        without_lock.hold(n_micro=1, reduction="locked", deferred=True)
+        REDUCTIONS["locked"].hold(without_lock, n_micro=1, deferred=True)
 
 
 def test_megatrain_updates_after_the_whole_backward_and_before_the_step_returns():

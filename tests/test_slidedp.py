@@ -629,10 +629,13 @@ def test_clipped_update_between_steps_is_counted_in_the_next():
     """Step t's clipped update runs after step t returns; if it ends before step t+1 starts, its
     host time is still reported by step t+1."""
     from slidedp.engine import SlideDPBackend
+    from tests.slidedp_worker import slow_down_updates
 
     args = get_flavor("qwen3-debug")
     backend = SlideDPBackend(run_config(make_config({}, accum=1, max_norm=1e-3)), args,
                              device=torch.device("cpu"), dp_rank=0, dp_world=1)
+    # Each update outlasts the step's return by far, also on a loaded machine.
+    slow_down_updates(backend, 0.2)
     try:
         x = torch.randint(0, args.vocab_size, (2, 16))
         first = backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel())

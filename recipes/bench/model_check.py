@@ -38,7 +38,7 @@ from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.predict import plan_run
 from slidedp.plan.rates import Rates, load_rates, timing_key
 from slidedp.plan.report import kernels_for
-from slidedp.plan.steptime import Schedule
+from slidedp.plan.step_spec import Schedule
 from slidedp.plan.workload import Workload
 
 SUPERSEDED = {

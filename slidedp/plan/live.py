@@ -43,6 +43,7 @@ from slidedp.plan.probe import probe
 from slidedp.plan.search import (Model, Setting, assign, budgets, build_program, calibrate,
                                   candidates_of, policies_from, screen, setting_of)
 from slidedp.plan.steptime import simulate_step
+from slidedp.routes.build import has_regions, searched_routes
 from slidedp.run_config import RunConfig
 
 
@@ -135,8 +136,8 @@ def select_live(backend, config: RunConfig, args: ModelArgs, *, flavor: str, dev
 
     baseline = measure(setting, policies, f"the configuration ({setting.describe()})")
     # Routes, then the chunk: measured.
-    routes = [(d, r) for d in ("sharded", "replicated") for r in ("gpu", "cpu")
-              if world > 1 and (r == "gpu" or backend.state.plan.cpu_staging)]
+    routes = [(d, r) for d, r in searched_routes()
+              if world > 1 and has_regions(backend.state.plan, r)]
     for d, r in routes:
         if (d, r) != (setting.delivery, setting.reduction):
             measure(replace(setting, delivery=d, reduction=r), policies, f"routes {d}/{r}")

@@ -24,7 +24,7 @@ resident and gradients (N = parameters, R = ranks) are the mode's Footprint: Sli
              without slidedp.bf16_shadow, the FP32 chunk that delivery casts on the device;
              gradients: 0 (they go to the host as they come), except where the reduced shards
              wait on the device for their updates (no shadow, no clipping, guard off, one
-             micro-batch, gpu route: slidedp.host_state.HostStatePlan.hold), one step's: 2/R
+             micro-batch, gpu route: the reduction route's hold, slidedp/routes/), one step's: 2/R
              B/param
              units whose AdamW runs on the GPU (slidedp/gpu_update.py): resident ones
              (slidedp.gpu_state_blocks, embedding_update = "resident") add their shard's FP32
@@ -80,6 +80,7 @@ from slidedp.gpu_update import GPU_CHUNK, PREFETCH_AT_BLOCK, gpu_updated_units
 from slidedp.host_state import HostStatePlan, updates_deferred
 from slidedp.layout import StateLayout, chunk_elems
 from slidedp.peer_styles import RUNTIME_STYLES
+from slidedp.routes import REDUCTIONS
 from slidedp.run_config import RunConfig, RunTraining
 
 Kernel = Literal["liger", "torch"]
@@ -262,11 +263,11 @@ def slidedp_footprint(config: RunConfig, args: ModelArgs, *, world: int) -> Foot
                                 reduction=cfg.reduction)
     plan = HostStatePlan.for_run(cfg, grad_accum_steps=training.grad_accum_steps,
                                  max_norm=training.max_norm, nonfinite=training.nonfinite)
-    hold = plan.hold(n_micro=training.grad_accum_steps, reduction=cfg.reduction,
-                     deferred=deferred)
+    hold = REDUCTIONS[cfg.reduction].hold(plan, n_micro=training.grad_accum_steps,
+                                          deferred=deferred)
     # Held on the device, the reduced shards of a step wait there for their updates: at most
     # all of them (a unit's next gradient comes after its update), while activations are freed.
-    waiting = layout.total // world * 2 if hold.name == "device" else 0
+    waiting = layout.total // world * 2 if hold.on_device else 0
     # The units the GPU updates (slidedp/gpu_update.py): this rank's shard of their FP32 master
     # and moments, and the update's FP32 and BF16 gradient pieces; resident ones for the whole
     # run with the shard's BF16 copy, the streamed embedding from its prefetch to its update.
@@ -278,7 +279,7 @@ def slidedp_footprint(config: RunConfig, args: ModelArgs, *, world: int) -> Foot
         state += pieces
     elif update:
         update += pieces
-    if deferred and hold != "device":  # their reduced shards wait on the device for the norm
+    if deferred and not hold.on_device:  # their reduced shards wait on the device for the norm
         waiting += sum(shard * 2 for shard, _ in gpu)
     return Footprint(resident=buffers + grads + receive + cast + state, gradients=waiting,
                      policies=policies, compute_bytes=2, embedding_update=update)

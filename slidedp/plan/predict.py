@@ -16,7 +16,9 @@ from slidedp.plan.memory import MemoryEstimate, estimate_device_memory
 from slidedp.plan.link import Link
 from slidedp.plan.policy_file import activation_keys
 from slidedp.plan.rates import Rates
-from slidedp.plan.steptime import Schedule, StepPrediction, StepSpec, simulate_step
+from slidedp.plan.step_spec import Schedule, StepSpec
+from slidedp.plan.steptime import simulate_step
+from slidedp.plan.verdict import StepPrediction
 from slidedp.plan.workload import Workload
 from slidedp.run_config import RunConfig
 

@@ -17,10 +17,12 @@ from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.policy_file import policy_settings, write_policy_file
 from slidedp.plan.predict import RunPlan, compute_dtype, plan_run, policies_of
 from slidedp.plan.rates import MissingRate, Rates
-from slidedp.plan.search import (Model, Setting, assign, budgets, build_program, candidates_of,
-                                  resident_levels, runs, screen, setting_of)
-from slidedp.plan.steptime import Schedule
+from slidedp.plan.search import (GPU_BUDGET_FRACTION, HOST_BUDGET_FRACTION, Model, Setting,
+                                  assign, budgets, build_program, candidates_of, resident_levels,
+                                  runs, screen, setting_of)
+from slidedp.plan.step_spec import Schedule
 from slidedp.plan.workload import Workload
+from slidedp.routes.build import searched_routes
 from slidedp.run_config import RunConfig
 
 GiB = 2**30
@@ -218,8 +220,7 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
     config, args = job.config, job.args
     model = Model(config, args, job.flavor, kernels_for(config, rates), world, rates)
     base = setting_of(config)
-    routes = ([(d, r) for d in ("sharded", "replicated") for r in ("gpu", "cpu")] if world > 1
-              else [(base.delivery, "gpu")])
+    routes = searched_routes() if world > 1 else [(base.delivery, "gpu")]
     slots = sorted({2, 3, 4, 6, base.window_slots})
     settings = [s for (d, r), n, shadow, (blocks, embedding) in itertools.product(
                     routes, slots, (True, False), resident_levels(config, args.n_layers))
@@ -241,8 +242,12 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
     current = policies_of(config, args)
     now = model.step_s(base, current)
     # The program adds demands up; the simulation, which overlaps them, has the last word: a
-    # choice it puts behind the configuration searched from is not taken.
-    kept = step_s > now
+    # choice it puts behind the configuration searched from is not taken, unless that
+    # configuration itself does not fit the budgets the program kept to.
+    fixed_gpu, fixed_host = model.fixed_bytes(base)
+    act_gpu, act_host = model.activation_bytes(current)
+    base_fits = fixed_gpu + act_gpu <= gpu_budget and fixed_host + act_host <= host_budget
+    kept = base_fits and step_s > now
     if kept:
         best, policies = base, current
     chosen = best.apply(config)
@@ -259,6 +264,9 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
             f"(routes x slots x shadow x optimizer placement), then the chunk",
             *(["  the program's choice simulates slower than the configuration searched from, "
                "which stays the choice"] if kept else []),
+            *([f"  the configuration searched from does not fit the search's budgets "
+               f"({GPU_BUDGET_FRACTION:.0%} of the {rates.machine.device_word}, "
+               f"{HOST_BUDGET_FRACTION:.0%} of the host)"] if not base_fits else []),
             f"  choice: {best.describe()}; activations {format_blocks(policies)}",
             f"  predicted {plan.step.step_s:.3f} s per step ({plan.step.tokens_per_s:,.0f} tokens/s) "
             f"against {now:.3f} s now; {plan.step.regime}: {plan.step.why}",

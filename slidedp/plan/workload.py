@@ -162,8 +162,3 @@ def _base_name(policy: ActivationPolicy) -> str:
     """Timings are per policy without its offload (offload costs the GPU stream nothing)."""
     return policy.base
 
-
-def chunks(n: int, chunk: int) -> list[int]:
-    """Sizes of the chunks of `n` elements, `chunk` at a time."""
-    full, rest = divmod(n, chunk)
-    return [chunk] * full + ([rest] if rest else [])
