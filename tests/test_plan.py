@@ -234,3 +234,19 @@ def test_a_plan_counts_the_policies_it_is_given():
     assert set(configured.policies) == {parse_policy("selective")} and set(kept.policies) == {KEEP}
     assert kept.device.activations > 5 * configured.device.activations
     assert kept.step.step_s < configured.step.step_s
+
+
+def test_search_takes_a_choice_that_fits_over_a_faster_configuration_that_does_not(capsys,
+                                                                                   tmp_path):
+    """Qwen3-8B on one H200 with every unit's optimizer state resident and 4 sequences needs
+    more than the GPU holds; the model puts it ahead of the search's choice, which fits, and the
+    choice is taken."""
+    from recipes.plan import main
+
+    assert main(["train_configs/h200_qwen3_4b_slidedp.toml", "--model.flavor=qwen3-8B",
+                 "--slidedp.check_host_memory=false", "--search", f"--out={tmp_path}/p.toml"]) == 0
+    plan, search = capsys.readouterr().out.split("search (the model alone, nothing measured):")
+    assert "DOES NOT FIT" in plan
+    assert "the configuration searched from does not fit the search's budgets" in search
+    assert "which stays the choice" not in search and "DOES NOT FIT" not in search
+    assert "gpu_state_blocks = 36" not in (tmp_path / "p.toml").read_text()
