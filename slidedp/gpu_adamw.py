@@ -36,7 +36,8 @@ if triton is not None:
     def _adamw_kernel(param, exp_avg, exp_avg_sq, grad, out, divisor, found_inf, n,
                       lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size,
                       bc2_sqrt, eps, HAS_OUT: tl.constexpr, HAS_DIVISOR: tl.constexpr,
-                      HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_FOUND_INF: tl.constexpr, MOMENTS_BF16: tl.constexpr,
+                      BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         if HAS_FOUND_INF:  # a skipped step writes nothing (torch's fused kernel returns)
             n = tl.where(tl.load(found_inf) == 0, n, 0)
@@ -45,16 +46,21 @@ if triton is not None:
         if HAS_DIVISOR:
             g = tl.div_rn(g, tl.load(divisor))
         p = tl.load(param + offs, mask=mask, other=0.0)
-        m = tl.load(exp_avg + offs, mask=mask, other=0.0)
-        v = tl.load(exp_avg_sq + offs, mask=mask, other=0.0)
+        m = tl.load(exp_avg + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(exp_avg_sq + offs, mask=mask, other=0.0).to(tl.float32)
         p = p - lr_wd * p
         m = beta1 * m + one_minus_beta1 * g
         v = beta2 * v + one_minus_beta2 * g * g
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p - tl.div_rn(step_size * m, denom)
         tl.store(param + offs, p, mask=mask)
-        tl.store(exp_avg + offs, m, mask=mask)
-        tl.store(exp_avg_sq + offs, v, mask=mask)
+        if MOMENTS_BF16:  # rounded to nearest even, as the CPU Adam stores BF16 moments
+            tl.store(exp_avg + offs, m.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
+            tl.store(exp_avg_sq + offs, v.to(tl.bfloat16, fp_downcast_rounding="rtne"),
+                     mask=mask)
+        else:
+            tl.store(exp_avg + offs, m, mask=mask)
+            tl.store(exp_avg_sq + offs, v, mask=mask)
         if HAS_OUT:
             tl.store(out + offs, p.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
 
@@ -64,14 +70,17 @@ def adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
                beta2: float, weight_decay: float, eps: float, step: int,
                divisor: torch.Tensor | None = None,
                found_inf: torch.Tensor | None = None) -> None:
-    """AdamW step `step` (from 1) of the flat FP32 `param`, `exp_avg`, `exp_avg_sq` in place, with
-    the BF16 `grad` divided by `divisor` (a device scalar; None: by 1), skipped where `found_inf`
-    (a device scalar) is nonzero; `out` (BF16, or None) receives the new `param` rounded to
-    BF16. Issued on the current stream; `grad` is left unchanged."""
+    """AdamW step `step` (from 1) of the flat FP32 `param` and its moments `exp_avg`,
+    `exp_avg_sq` (both FP32, or both BF16: widened, updated in FP32 and rounded back, as the CPU
+    Adam does) in place, with the BF16 `grad` divided by `divisor` (a device scalar; None: by 1),
+    skipped where `found_inf` (a device scalar) is nonzero; `out` (BF16, or None) receives the
+    new `param` rounded to BF16. Issued on the current stream; `grad` is left unchanged."""
     n = param.numel()
     if not all(t.numel() == n for t in (exp_avg, exp_avg_sq, grad)) or (
             out is not None and out.numel() != n):
         raise ValueError("adamw_step: param, moments, gradient and out differ in length")
+    if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("adamw_step: the moments must be both FP32 or both BF16")
     if not _use_triton(param):
         torch_adamw_step(param, exp_avg, exp_avg_sq, grad, out=out, lr=lr, beta1=beta1,
                          beta2=beta2, weight_decay=weight_decay, eps=eps, step=step,
@@ -83,8 +92,8 @@ def adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
         divisor if divisor is not None else param, found_inf if found_inf is not None else param,
         n, lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr / bc1,
         math.sqrt(1 - beta2 ** step), eps, HAS_OUT=out is not None,
-        HAS_DIVISOR=divisor is not None, HAS_FOUND_INF=found_inf is not None, BLOCK=BLOCK,
-        num_warps=4)
+        HAS_DIVISOR=divisor is not None, HAS_FOUND_INF=found_inf is not None,
+        MOMENTS_BF16=exp_avg.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=4)
 
 
 def torch_adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -92,13 +101,17 @@ def torch_adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: tor
                      beta2: float, weight_decay: float, eps: float, step: int,
                      divisor: torch.Tensor | None = None,
                      found_inf: torch.Tensor | None = None) -> None:
-    """`adamw_step` by torch's fused AdamW: the gradient cast to an FP32 temporary, the update,
-    then the BF16 copy (the CPU's path, and what recipes/bench/gpu_adam.py times the kernel
-    against)."""
+    """`adamw_step` by torch's fused AdamW: the gradient cast to an FP32 temporary (and BF16
+    moments widened to FP32 ones), the update, then the BF16 copy and the moments rounded back
+    (the CPU's path, and what recipes/bench/gpu_adam.py times the kernel against)."""
     g = grad.float()
     count = torch.full((), float(step - 1), device=param.device)  # the kernel adds one
-    adamw([param], [g], [exp_avg], [exp_avg_sq], [], [count], fused=True,
+    m, v = exp_avg.float(), exp_avg_sq.float()  # the tensors themselves when FP32
+    adamw([param], [g], [m], [v], [], [count], fused=True,
           grad_scale=divisor, found_inf=found_inf, amsgrad=False, beta1=beta1, beta2=beta2,
           lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+    if m is not exp_avg:
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
     if out is not None:
         out.copy_(param)

@@ -19,9 +19,10 @@ delivery reads on the GPU (`delivery_source`): nothing crosses PCIe per step, an
 gate opens as soon as the update is issued (the copy waits for it on the device). The host's
 master, moments and shadow are brought up to date only when the host's copy must be current
 (`wait_home`: saves, reconfiguration, the end), and fetched again after the host state changed
-(`invalidate`: a load, an optimizer reset). 14 B/param of GPU memory buy an update that never
-waits for the CPU Adam: with clipping, the updates wait for the step's norm, and the host
-updates of the first blocks the next forward needs are its wait. Peers' deliveries read only
+(`invalidate`: a load, an optimizer reset). 14 B/param of GPU memory (10 with BF16 moments,
+which stay BF16 there) buy an update that never waits for the CPU Adam: with clipping, the
+updates wait for the step's norm, and the host updates of the first blocks the next forward
+needs are its wait. Peers' deliveries read only
 their own shards (slidedp.delivery = "sharded", or one rank).
 
 On the CPU (tests) the "device" copies are ordinary tensors and every copy is synchronous.
@@ -51,10 +52,11 @@ blocks before it hides the copy, and by then nearly every saved activation is fr
 
 GPU_CHUNK = 1 << 26
 """Elements per piece of the update: bounds its FP32 gradient temporary (256 MiB)."""
-GPU_ADAM_BYTES = 28
+GPU_ADAM_BYTES = {"float32": 28, "bfloat16": 20}
 """Device bytes per parameter of an AdamW on the GPU (GpuUpdate.update, slidedp/gpu_adamw.py's
-one pass): read the BF16 gradient (2) and the FP32 p, m, v (12), write p, m, v (12) and the BF16
-copy of the weights (2: sent home, or the resident copy)."""
+one pass), by the moments' dtype there: read the BF16 gradient (2) and p, m, v (12, or 8 with
+resident BF16 moments), write p, m, v (12, or 8) and the BF16 copy of the weights (2: sent home,
+or the resident copy)."""
 
 
 def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: int,
@@ -70,11 +72,10 @@ def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: in
     if cfg.moments_dtype not in get_args(MomentsDtype):
         raise ValueError(f"slidedp.moments_dtype must be one of {get_args(MomentsDtype)}, "
                          f"got {cfg.moments_dtype!r}")
-    if cfg.moments_dtype != "float32" and any(gpu_updated_units(cfg, n_layers).values()):
-        raise ValueError(f'slidedp.moments_dtype = "{cfg.moments_dtype}" needs every unit\'s '
-                         'optimizer state at home: slidedp.gpu_state_blocks = 0 and '
-                         'slidedp.embedding_update = "host" or "gpu" (resident state keeps FP32 '
-                         'moments between saves)')
+    if cfg.moments_dtype == "8bit" and any(gpu_updated_units(cfg, n_layers).values()):
+        raise ValueError('slidedp.moments_dtype = "8bit" needs every unit\'s optimizer state at '
+                         'home: slidedp.gpu_state_blocks = 0 and slidedp.embedding_update = '
+                         '"host" (resident state keeps FP32 or BF16 moments, not 8-bit codes)')
     if cfg.moments_dtype == "8bit" and cfg.embedding_update == "gpu":
         raise ValueError('slidedp.moments_dtype = "8bit" needs slidedp.embedding_update = "host": '
                          "the GPU update of a streamed embedding carries FP32 or BF16 moments, "
@@ -167,8 +168,10 @@ class GpuUpdate:
 
     def prefetch(self) -> None:
         """Copy the shard's master and moments to the GPU on the update stream (compute thread,
-        during backward), as FP32 (BF16 moments are widened there, and rounded on the way home,
-        as the CPU Adam does). The copies are allocated on the compute stream, so the memory
+        during backward), as FP32; BF16 moments are widened there and rounded on the way home
+        (streamed), or stay BF16 (resident: 10 B/param, not 14), each update widening, updating
+        and rounding them as the CPU Adam does. The copies are allocated on the compute stream,
+        so the memory
         goes back to the common pool once the update has used them; the stream orders them
         after the previous step's copies home. Once per step (resident: once until `invalidate`): later
         calls do nothing."""
@@ -177,8 +180,8 @@ class GpuUpdate:
         pieces = []
         for a in range(self.lo, self.hi, GPU_CHUNK):
             b = min(a + GPU_CHUNK, self.hi)
-            copies = [torch.empty(b - a, dtype=torch.float32, device=self.streams.device)
-                      for _ in range(3)]
+            copies = [torch.empty(b - a, dtype=self._dtype(region), device=self.streams.device)
+                      for region in STATE_REGIONS]
             # The allocator may hand out memory that kernels already queued on the compute
             # stream still read or write (a tensor freed by the host is reused at once there):
             # the copies into it wait for those kernels. Unordered, the copies overwrite
@@ -206,6 +209,11 @@ class GpuUpdate:
                 self._weights_ready = self.streams.record(self.stream)
             self._weights = weights
         self._pieces = pieces
+
+    def _dtype(self, region: str) -> torch.dtype:
+        """The GPU copy's dtype of a state region: resident BF16 moments stay BF16."""
+        host = self.state.regions[region].dtype
+        return host if self.resident and host == torch.bfloat16 else torch.float32
 
     def drop(self) -> None:
         """Forget the prefetched copies (a skipped step, or a failed one); resident ones are
@@ -309,8 +317,10 @@ def simulate_gpu_update(b: "StepBuilder", r: int, unit: int, deps) -> tuple[int,
     goes home, which the update thread waits for, and the rest of its state after it. Resident:
     the thread only issues it; the gate waits for it on the device."""
     shard, shadow = b.spec.unit_elems[unit] // b.spec.world, b.spec.bf16_shadow
-    seconds = shard * GPU_ADAM_BYTES / (b.rates.hbm_gbs * 1e9)
-    if unit in b.spec.resident_units:
+    resident = unit in b.spec.resident_units
+    moments = b.spec.moments if resident and b.spec.moments == "bfloat16" else "float32"
+    seconds = shard * GPU_ADAM_BYTES[moments] / (b.rates.hbm_gbs * 1e9)
+    if resident:
         issued = b.add(f"uthread:{r}", deps=deps, kind="issue")
         return issued, b.add(f"gpu:{r}", work={f"gpu:{r}": seconds}, deps=[issued],
                              kind="gpu update")

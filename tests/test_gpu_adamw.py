@@ -45,7 +45,7 @@ def interpreted_launch(state, grad, out, step, divisor, found_inf):
         HYPER["lr"] * HYPER["weight_decay"], b1, 1 - b1, b2, 1 - b2,
         HYPER["lr"] / (1 - b1 ** step), math.sqrt(1 - b2 ** step), HYPER["eps"],
         HAS_OUT=True, HAS_DIVISOR=divisor is not None, HAS_FOUND_INF=found_inf is not None,
-        BLOCK=BLOCK)
+        MOMENTS_BF16=False, BLOCK=BLOCK)
 
 
 def compare(device, launch):
@@ -100,6 +100,42 @@ def test_the_cpu_path_is_torchs_fused_adamw_with_the_copy():
 def test_the_compiled_kernel_follows_torchs_fused_adamw_on_the_gpu():
     state, out = compare(torch.device("cuda", 0), step_launch)
     assert torch.equal(out, state[0].bfloat16())
+
+
+def compare_bf16_moments(device, exact: bool):
+    """Five steps with BF16 moments (resident ones, slidedp/gpu_update.py) against torch's fused
+    AdamW on their FP32 widening, the moments rounded back to BF16 after each step as the CPU
+    Adam rounds them: `exact` (the CPU's path, which is that) or within one BF16 rounding of
+    the moments and its effect on the weights (the compiled kernel's own FP32 arithmetic)."""
+    torch.manual_seed(0)
+    n = 3 * BLOCK + 77
+    state = [torch.randn(n, device=device), (0.01 * torch.randn(n, device=device)).bfloat16(),
+             (1e-4 * torch.rand(n, device=device)).bfloat16()]
+    expected = [state[0].clone(), state[1].float(), state[2].float()]
+    out = torch.empty(n, dtype=torch.bfloat16, device=device)
+    for step in range(1, 6):
+        grad = torch.randn(n, device=device).bfloat16()
+        divisor = torch.tensor(2.0, device=device) if step % 2 else None
+        step_launch(state, grad, out, step, divisor, None)
+        reference(expected, grad, step, divisor, None)
+        expected[1], expected[2] = (t.bfloat16().float() for t in expected[1:])
+        assert state[1].dtype == state[2].dtype == torch.bfloat16
+        if exact:
+            assert all(torch.equal(got.float(), want) for got, want in zip(state, expected))
+            continue
+        for got, want in zip(state[1:], expected[1:]):
+            assert ((got.float() - want).abs() <= want.abs() * 2 ** -7).all()
+        assert ((state[0] - expected[0]).abs() <= HYPER["lr"] * 2 ** -5 * step).all()
+    assert torch.equal(out, state[0].bfloat16())
+
+
+def test_bf16_moments_are_widened_updated_and_rounded_back_on_the_cpu_path():
+    compare_bf16_moments(torch.device("cpu"), exact=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")
+def test_the_compiled_kernel_keeps_bf16_moments_as_the_cpu_adam_does():
+    compare_bf16_moments(torch.device("cuda", 0), exact=False)
 
 
 def test_lengths_must_agree():

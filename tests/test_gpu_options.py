@@ -73,6 +73,9 @@ OPTIONS = [
            max_norm=0.0),
     # BF16 moments on the host, the embedding's streamed to the GPU and rounded home each step.
     Option("bf16-moments", {"moments_dtype": "bfloat16", "embedding_update": "gpu"}),
+    # Every unit resident with BF16 moments, which stay BF16 on the GPU.
+    Option("all-resident-bf16-moments", {"embedding_update": "resident", "gpu_state_blocks": LAYERS,
+                                         "update_order": "next_use", "moments_dtype": "bfloat16"}),
     # 8-bit moments, every thread pinned to a core. A small element's exp_avg_sq can code below its
     # value (the dynamic-tree table's low codes are far apart, its lowest is 0), so its step
     # m / sqrt(v) can exceed the 1 of exact moments: a few elements move several lr a step.

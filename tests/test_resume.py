@@ -185,13 +185,18 @@ def resume_half_way(tmp_path: Path, *flags: str) -> tuple[Path, Path]:
     return first, second
 
 
-def test_units_updated_on_the_gpu_save_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("flags", [
+    ("--slidedp.embedding_update=gpu", "--slidedp.gpu_state_blocks=1"),
+    ("--slidedp.embedding_update=resident", "--slidedp.gpu_state_blocks=4",
+     "--slidedp.moments_dtype=bfloat16")], ids=["streamed-and-one-block", "all-resident-bf16"])
+def test_units_updated_on_the_gpu_save_and_resume_exactly(tmp_path, flags):
     """The embedding's state streamed to the GPU each step (slidedp.embedding_update = "gpu")
-    and the first block's resident there (slidedp.gpu_state_blocks) resume bit for bit: the
-    saves wait for the state to be home (GpuUpdate.wait_home: the streamed copies land after the
-    version gate opens, the resident state is copied home only for the save), and the resumed
-    run fetches the loaded state (GpuUpdate.invalidate)."""
-    resume_half_way(tmp_path, "--slidedp.embedding_update=gpu", "--slidedp.gpu_state_blocks=1")
+    and the first block's resident there (slidedp.gpu_state_blocks), or every unit resident with
+    BF16 moments (BF16 there too), resume bit for bit: the saves wait for the state to be home
+    (GpuUpdate.wait_home: the streamed copies land after the version gate opens, the resident
+    state is copied home only for the save), and the resumed run fetches the loaded state
+    (GpuUpdate.invalidate)."""
+    resume_half_way(tmp_path, *flags)
 
 
 def test_slidedp_world_size_mismatch_is_one_line(slidedp_run):

@@ -352,7 +352,9 @@ CASES["test_units_updated_on_the_device[clipped]"] = Case(
         {**_RESIDENT, "gpu_state_blocks": 2, "update_order": "next_use"},
         {**_ON_GPU, "gpu_state_blocks": 1, "bf16_shadow": False},
         # Every unit on the device: the norm and clipping are taken there (device_clip).
-        {**_RESIDENT, "gpu_state_blocks": 4, "update_order": "next_use"}])
+        {**_RESIDENT, "gpu_state_blocks": 4, "update_order": "next_use"},
+        # Resident BF16 moments stay BF16 there (10 B/param), updated as the host's would be.
+        {**_RESIDENT, "gpu_state_blocks": 4, "moments_dtype": "bfloat16"}])
 CASES["test_units_updated_on_the_device[during_backward]"] = Case(
     3, "qwen2.5-debug", steps=3, accum=1, max_norm=0.0, variants=[
         {**_ON_GPU, "nonfinite": "off"},
@@ -393,7 +395,8 @@ def test_units_updated_on_the_device(request, slidedp_runs, run):
         d2h = sum(c.get("traffic_gpu_update_d2h_mb", 0.0) for c in r["counters"])
         assert per_step * (steps - 1) - 1e-6 <= d2h <= per_step * steps + 1e-6, (d2h, v)
         h2d = sum(c.get("traffic_gpu_update_h2d_mb", 0.0) for c in r["counters"])
-        fetched = sum(mb * 12 * (1 if on_gpu[i] else steps) for i, mb in shard_mb.items())
+        state = 8 if v.get("moments_dtype") == "bfloat16" else 12  # master and moments, B/param
+        fetched = sum(mb * state * (1 if on_gpu[i] else steps) for i, mb in shard_mb.items())
         assert h2d == pytest.approx(fetched), (h2d, v)
         assert any(c.get("host_gpu_update_s", 0) > 0 for c in r["counters"])
 
@@ -435,8 +438,8 @@ _GPU_STATE = {"embedding_update": "host", "gpu_state_blocks": 2}
     ({**_GPU_STATE, "reduction": "cpu"}, 1, "gpu_state_blocks > 0 needs"),
     ({**_GPU_STATE, "gpu_state_blocks": 5}, 1, "gpu_state_blocks: 5 is not within"),
     ({**_GPU_STATE, "delivery": "replicated"}, 1, 'several ranks needs slidedp.delivery = "sharded"'),
-    ({**_GPU_STATE, "moments_dtype": "bfloat16"}, 1, "needs every unit's optimizer state at home"),
-    ({"embedding_update": "resident", "moments_dtype": "bfloat16"}, 1,
+    ({**_GPU_STATE, "moments_dtype": "8bit"}, 1, "needs every unit's optimizer state at home"),
+    ({"embedding_update": "resident", "moments_dtype": "8bit"}, 1,
      "needs every unit's optimizer state at home"),
     ({"moments_dtype": "8bit"}, 1, 'moments_dtype = "8bit" needs slidedp.embedding_update = "host"')])
 def test_updates_on_the_device_refuse_what_they_cannot_serve(change, accum, said):

@@ -211,7 +211,7 @@ def test_the_embeddings_update_on_the_gpu_removes_the_host_tail():
     the difference. The CPU loses the embedding's AdamW; the links carry its state: 12 B/param
     to the GPU, 2 + 12 home instead of the gradient's 2."""
     r, s, host, gpu = embedding_cases()
-    adam_s, gpu_adam_s = 0.5, EMBED * GPU_ADAM_BYTES / 4000e9
+    adam_s, gpu_adam_s = 0.5, EMBED * GPU_ADAM_BYTES["float32"] / 4000e9
     assert host.step_s - gpu.step_s == pytest.approx(adam_s - gpu_adam_s, rel=1e-4)
     assert host.regime == "host-bound" and gpu.regime == "gpu-bound"
     assert host.demand_s["cpu update"] - gpu.demand_s["cpu update"] == pytest.approx(adam_s)
@@ -231,7 +231,7 @@ def test_the_embeddings_deferred_update_on_the_gpu_comes_first_after_the_norm():
     r, s, host, gpu = embedding_cases(deferred=True, grad_accum=True)
     adam_s = 0.5 * ADAM_BYTES["fp32"] / ADAM_BYTES["bf16"]
     sum_s = EMBED / r.grad_sum(s.threads)
-    gpu_adam_s = EMBED * GPU_ADAM_BYTES / 4000e9
+    gpu_adam_s = EMBED * GPU_ADAM_BYTES["float32"] / 4000e9
     assert host.step_s - gpu.step_s == pytest.approx(adam_s + sum_s - gpu_adam_s, rel=1e-4)
     assert host.regime == "host-bound" and gpu.regime == "gpu-bound"
     assert host.demand_s["cpu update"] - gpu.demand_s["cpu update"] == pytest.approx(adam_s + sum_s)
@@ -262,9 +262,13 @@ def test_resident_state_takes_the_updates_and_the_deliveries_off_the_host():
         + head / r.grad_sum(s.threads), rel=1e-6)
     assert resident.demand_s["h2d per GPU"] == pytest.approx(2 * head / 20e9)
     assert resident.demand_s["d2h per GPU"] == pytest.approx(2 * head / 20e9)
-    gpu_extra = sum(e * GPU_ADAM_BYTES for e in s.unit_elems[:5]) / 4000e9
+    gpu_extra = sum(e * GPU_ADAM_BYTES["float32"] for e in s.unit_elems[:5]) / 4000e9
     assert resident.demand_s["gpu compute"] - host.demand_s["gpu compute"] == pytest.approx(
         gpu_extra, rel=1e-6)
+    # BF16 moments stay BF16 on the GPU: 20 B/param of its memory per update, not 28.
+    bf16 = simulate_step(replace(s, resident_units=frozenset(range(5)), moments="bfloat16"), r)
+    assert bf16.demand_s["gpu compute"] - host.demand_s["gpu compute"] == pytest.approx(
+        gpu_extra * GPU_ADAM_BYTES["bfloat16"] / GPU_ADAM_BYTES["float32"], rel=1e-6)
 
 
 def test_every_unit_resident_queues_the_updates_behind_backward():

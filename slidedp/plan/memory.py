@@ -28,8 +28,9 @@ resident and gradients (N = parameters, R = ranks) are the mode's Footprint: Sli
              B/param
              units whose AdamW runs on the GPU (slidedp/gpu_update.py): resident ones
              (slidedp.gpu_state_blocks, embedding_update = "resident") add their shard's FP32
-             master and moments and its BF16 copy (14/R B/param) and the update's FP32 and
-             BF16 gradient pieces to resident; deferred, every GPU-updated unit's reduced
+             master and moments and its BF16 copy (14/R B/param, 10/R with BF16 moments) and
+             the update's FP32 and BF16 gradient pieces to resident; deferred, every
+             GPU-updated unit's reduced
              shard (2/R B/param) waits on the device for the norm, counted in gradients
 
 activations: tokens per micro-batch (local_batch_size x seq_len) x (the sum over blocks of the
@@ -273,7 +274,9 @@ def slidedp_footprint(config: RunConfig, args: ModelArgs, *, world: int) -> Foot
     # run with the shard's BF16 copy, the streamed embedding from its prefetch to its update.
     gpu = [(layout.units[i].padded // world, r) for i, r in gpu_updated_units(cfg, args.n_layers).items()]
     pieces = max((min(shard, GPU_CHUNK) * (4 + 2) for shard, _ in gpu), default=0)
-    state = sum(shard * 14 for shard, resident in gpu if resident)
+    # Master 4, the moments 8 (4 when BF16: resident ones stay BF16 there), the BF16 copy 2.
+    state = sum(shard * (6 + (4 if cfg.moments_dtype == "bfloat16" else 8))
+                for shard, resident in gpu if resident)
     update = sum(shard * 12 for shard, resident in gpu if not resident)
     if state:
         state += pieces

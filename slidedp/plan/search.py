@@ -89,8 +89,8 @@ def setting_of(config: RunConfig) -> Setting:
 def resident_levels(config: RunConfig, n_layers: int) -> list[tuple[int, str]]:
     """The optimizer placements the search weighs, as (gpu_state_blocks, embedding_update): the
     configuration's, and the embedding with none, a quarter, half, three quarters or all of the
-    blocks resident on the GPU; the program trades their 14 B/param of GPU memory against kept
-    activations (`runs` drops those the run cannot update on the GPU)."""
+    blocks resident on the GPU; the program trades their 14 B/param (10 with BF16 moments) of GPU
+    memory against kept activations (`runs` drops those the run cannot update on the GPU)."""
     s = config.slidedp
     levels = [(s.gpu_state_blocks, s.embedding_update)]
     for blocks in (0, n_layers // 4, n_layers // 2, 3 * n_layers // 4, n_layers):
