@@ -92,9 +92,10 @@ class SlideDPConfig(Checked):
     updates in FP32 and rounds them back to nearest even. "8bit" takes 8 B/param: torchao's
     AdamW8bit format (a dynamic-tree byte code per element, one FP32 absmax per 128), dequantized,
     updated in FP32 and requantized in the same pass; fewer bytes, but the code lookups make
-    its update compute-bound (docs/PERFORMANCE.md). Not with optimizer state resident on the GPU
-    (its moments would stay FP32 between saves, so a resume would not be exact); "8bit" not with
-    embedding_update = "gpu" either."""
+    its update compute-bound (docs/PERFORMANCE.md). Resident optimizer state on the GPU keeps
+    BF16 moments as BF16 there too (10 B/param of GPU memory, not 14), updated the same way;
+    "8bit" only with every unit's state at home (embedding_update = "host", no
+    gpu_state_blocks)."""
     autopolicy: bool = False
     """Choose the routes, chunk, slots and per-block activation policies at start by measuring
     this machine (AutoPolicy: a few steps with lr = 0, then the optimizer state is reset); the

@@ -106,7 +106,8 @@ def compare_bf16_moments(device, exact: bool):
     """Five steps with BF16 moments (resident ones, slidedp/gpu_update.py) against torch's fused
     AdamW on their FP32 widening, the moments rounded back to BF16 after each step as the CPU
     Adam rounds them: `exact` (the CPU's path, which is that) or within one BF16 rounding of
-    the moments and its effect on the weights (the compiled kernel's own FP32 arithmetic)."""
+    the moments and its effect on the weights (the compiled kernel's own FP32 arithmetic: a
+    rounding that falls the other way feeds the next step, so a few BF16 steps over 5 steps)."""
     torch.manual_seed(0)
     n = 3 * BLOCK + 77
     state = [torch.randn(n, device=device), (0.01 * torch.randn(n, device=device)).bfloat16(),
@@ -124,7 +125,11 @@ def compare_bf16_moments(device, exact: bool):
             assert all(torch.equal(got.float(), want) for got, want in zip(state, expected))
             continue
         for got, want in zip(state[1:], expected[1:]):
-            assert ((got.float() - want).abs() <= want.abs() * 2 ** -7).all()
+            # Near a moment's zero crossing an earlier step's rounding is large beside it: the
+            # bound is relative plus a floor of the tensor's scale; nearly every element is equal.
+            bound = want.abs() * 2 ** -6 + want.abs().max() * 2 ** -7
+            assert ((got.float() - want).abs() <= bound).all()
+            assert (got.float() == want).float().mean() > 0.95
         assert ((state[0] - expected[0]).abs() <= HYPER["lr"] * 2 ** -5 * step).all()
     assert torch.equal(out, state[0].bfloat16())
 
