@@ -244,7 +244,8 @@ def test_search_takes_a_choice_that_fits_over_a_faster_configuration_that_does_n
     from recipes.plan import main
 
     assert main(["train_configs/h200_qwen3_4b_slidedp.toml", "--model.flavor=qwen3-8B",
-                 "--slidedp.check_host_memory=false", "--search", f"--out={tmp_path}/p.toml"]) == 0
+                 "--slidedp.check_host_memory=false", "--slidedp.autopolicy_candidates=keep, selective",
+                 "--search", f"--out={tmp_path}/p.toml"]) == 0
     plan, search = capsys.readouterr().out.split("search (the model alone, nothing measured):")
     assert "DOES NOT FIT" in plan
     assert "the configuration searched from does not fit the search's budgets" in search
