@@ -36,7 +36,7 @@ from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.host_state import updates_deferred
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.predict import plan_run
-from slidedp.plan.rates import Rates, load_rates, timing_key
+from slidedp.plan.rates import MissingRate, Rates, load_rates, timing_key
 from slidedp.plan.report import kernels_for
 from slidedp.plan.step_spec import Schedule
 from slidedp.plan.workload import Workload
@@ -192,7 +192,12 @@ def check(paths: list[str], rates: Rates) -> tuple[list[str], list[float], list[
     for source, row in _rows(paths):
         if not modelled(row):
             continue
-        predicted = predict(row, rates)
+        try:
+            predicted = predict(row, rates)
+        except MissingRate as e:  # said in the table, counted in neither summary
+            lines.append(f"| {source} | {row.get('label', '')} | {row['flavor']} | not predicted: "
+                         f"{e} |")
+            continue
         note = _why_not_current(source, row)
         (old if note else current).append(predicted["predicted_s"] / row["step_time_s"] - 1)
         lines.append(_line(source, row, predicted, f"not counted: {note}" if note else ""))
