@@ -1,5 +1,5 @@
 """STREAM triad on the host: the attainable memory bandwidth a CPU update is measured against
-(the probe's `dram_gbs`, slidedp/plan/probe.py; `python -m recipes.bench.stream` prints it).
+(the probe's `dram_gbs`, slidedp/plan/probe_machine.py; `python -m recipes.bench.stream` prints it).
 
 a = b + s * c over FP64 arrays each at least 4x the last-level caches (STREAM's rule), counted as
 STREAM counts it: 3 arrays x 8 bytes per element (two reads, one write; the write-allocate read is
