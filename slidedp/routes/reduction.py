@@ -1,7 +1,7 @@
 """Gradient return: what every reduction route (slidedp/routes/gpu.py, cpu.py, locked.py) is, a
 class that the runtime runs and the step-time model simulates.
 
-Each route rank r ends up holding the summed gradient of its shard of the unit, chunk by chunk,
+On every route rank r ends up holding the summed gradient of its shard of the unit, chunk by chunk,
 and updates that slice of the shared state (its own cores, no global lock). The D2H copies of all
 chunks are issued up front so Adam starts on the first chunk while the rest are still in flight.
 A return is split where the other ranks stop mattering (`GradientReturn.start`), so a rank
