@@ -208,8 +208,11 @@ def test_two_ranks_clipping_without_accumulation(request, slidedp_runs):
     assert_host_bytes(results, world=2, flavor=case.flavor, accum=1, max_norm=case.max_norm)
     assert all(n > case.max_norm for r in results for n in r["grad_norms"])  # it did clip
     for r in results:
-        later = r["counters"][-1]  # the step after a clipped one runs that step's updates
-        assert later["host_grad_job_s"] > 0 and later["host_clipped_update_s"] > 0
+        # Every update is a clipped one, reported by the step during which it ran: mostly the
+        # next (test_clipped_update_between_steps_is_counted_in_the_next), but on a loaded
+        # machine a step's updates can end before its own report.
+        assert r["counters"][-1]["host_grad_job_s"] > 0
+        assert sum(c.get("host_clipped_update_s", 0.0) for c in r["counters"]) > 0
         assert not any("host_accumulate_s" in c or "host_update_s" in c for c in r["counters"])
     # FP32 delivery moves twice the bytes of the shadow's.
     assert results[2]["counters"][1]["traffic_h2d_mb"] == pytest.approx(
