@@ -22,8 +22,8 @@ master, moments and shadow are brought up to date only when the host's copy must
 (`invalidate`: a load, an optimizer reset). 14 B/param of GPU memory (10 with BF16 moments,
 which stay BF16 there) buy an update that never waits for the CPU Adam: with clipping, the
 updates wait for the step's norm, and the host updates of the first blocks the next forward
-needs are its wait. Peers' deliveries read only
-their own shards (slidedp.delivery = "sharded", or one rank).
+needs are its wait. Peers' deliveries read only their own shards (slidedp.delivery = "sharded",
+or one rank).
 
 On the CPU (tests) the "device" copies are ordinary tensors and every copy is synchronous.
 """
@@ -171,10 +171,9 @@ class GpuUpdate:
         during backward), as FP32; BF16 moments are widened there and rounded on the way home
         (streamed), or stay BF16 (resident: 10 B/param, not 14), each update widening, updating
         and rounding them as the CPU Adam does. The copies are allocated on the compute stream,
-        so the memory
-        goes back to the common pool once the update has used them; the stream orders them
-        after the previous step's copies home. Once per step (resident: once until `invalidate`): later
-        calls do nothing."""
+        so the memory goes back to the common pool once the update has used them; the stream
+        orders them after the previous step's copies home. Once per step (resident: once until
+        `invalidate`): later calls do nothing."""
         if self._pieces is not None:
             return
         pieces = []

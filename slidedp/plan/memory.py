@@ -24,14 +24,14 @@ resident and gradients (N = parameters, R = ranks) are the mode's Footprint: Sli
              without slidedp.bf16_shadow, the FP32 chunk that delivery casts on the device;
              gradients: 0 (they go to the host as they come), except where the reduced shards
              wait on the device for their updates (no shadow, no clipping, guard off, one
-             micro-batch, gpu route: the reduction route's hold, slidedp/routes/), one step's: 2/R
-             B/param
+             micro-batch, gpu route: the reduction route's hold, slidedp/routes/), one
+             step's: 2/R B/param
              units whose AdamW runs on the GPU (slidedp/gpu_update.py): resident ones
              (slidedp.gpu_state_blocks, embedding_update = "resident") add their shard's FP32
              master and moments and its BF16 copy (14/R B/param, 10/R with BF16 moments) and
              the update's FP32 and BF16 gradient pieces to resident; deferred, every
-             GPU-updated unit's reduced
-             shard (2/R B/param) waits on the device for the norm, counted in gradients
+             GPU-updated unit's reduced shard (2/R B/param) waits on the device for the norm,
+             counted in gradients
 
 activations: tokens per micro-batch (local_batch_size x seq_len) x (the sum over blocks of the
 bytes per token each block's policy keeps + what backward holds beyond that of the one block it
