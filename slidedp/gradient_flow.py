@@ -177,13 +177,13 @@ class GradientFlow:
         that waited for them queued."""
         device_totals = None
         if self.norm_on_device:
-            # Every update reads its gradient on the GPU: they are issued now, behind backward,
+            # Every update reads its gradient on the GPU: they are queued now, behind backward,
             # scaled and skipped there as the step's norm says, while the host waits below.
             self.wait_returns()  # every unit's norm is issued
             device_totals, scale = device_clip(
                 self.route.take_device_normsq(), loss, max_norm=max_norm, guard=guard,
                 group=groups.reduce, cross=groups.cross, streams=self.streams)
-            self._issue_gpu_updates(scale)
+            self.queue_updates(scale, skip=False)
         # What the step waits for after the GPUs finish its compute: its gradients coming home
         # (and on the cpu route without deferral their updates, which take the norm).
         Streams.synchronize(self.streams.record())
@@ -218,16 +218,6 @@ class GradientFlow:
                     unit.index, job, after=self._speculated[unit.index]))
             else:
                 self._queue_update(unit, hold, returned, coef=coef, skip=skip, step=step)
-
-    def _issue_gpu_updates(self, scale: GradScale) -> None:
-        """Every unit's GPU update, issued here on the compute thread in the order the next
-        forward needs them (the embedding first; both update orders give unit order here), so the
-        next step's forward finds every version gate open. Queued on the update thread instead,
-        they were issued one at a time, each between that thread's turns at the GIL, and a
-        block's forward could wait for its own."""
-        for unit in self.units:
-            self._update_job(self.route, unit, self._hold, self._returned[unit.index], coef=scale,
-                             skip=False, step=self._step)
 
     # ---- outside the step ---------------------------------------------------------------------
 

@@ -370,7 +370,7 @@ class StepBuilder:
         sole = self.style.sole_owner
         for r in [0] if sole else range(spec.world):
             prev = [after[r]]
-            # The GPU's first (UpdateQueue, or GradientFlow._issue_gpu_updates), in forward order.
+            # The GPU's first (engine: UpdateQueue), each unit in forward order.
             order = sorted(range(len(spec.unit_elems)), key=lambda u: not self.on_gpu(u))
             for unit in order:
                 if self.on_gpu(unit):
