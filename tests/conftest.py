@@ -39,6 +39,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get("SLIDEDP_CACHE_DIR"):
         _SESSION_CACHE = tempfile.mkdtemp(prefix="slidedp-tests-")
         os.environ["SLIDEDP_CACHE_DIR"] = _SESSION_CACHE
+    # An xdist worker computes on its share of the cores: more threads contend with the other
+    # workers' and wait on each other at every op (the suite runs two on 2 cores).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+    # Children that take a share of the whole machine (the bench launches of recipes/reproduce
+    # and recipes.bench.suite) wait for their OpenMP threads asleep, not spinning on the cores
+    # that the other workers need.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

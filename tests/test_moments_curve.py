@@ -6,11 +6,9 @@ share of its steps redone."""
 import csv
 import json
 import math
-import subprocess
-import sys
 
 from recipes.reproduce.moments_curve import COLUMNS
-from tests.conftest import REPO, subprocess_env
+from tests.test_reproduce import run_script
 
 # The tiny run's loss falls by about 1.0 over its 20 steps and swings from one batch to the next
 # (other documents). BF16 moments (2^-9 relative rounding per moment and step) move it by a few
@@ -21,12 +19,8 @@ MEAN_ABS_DIFF, MAX_ABS_DIFF, FINAL_REL_DIFF = 0.01, 0.05, 0.01
 
 def test_bfloat16_moments_follow_the_float32_curve(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "recipes.reproduce.moments_curve", "--tiny",
-                           "--dtypes", "float32,bfloat16,float32+speculative", "--out-dir", str(out)],
-                          cwd=REPO,
-                          env=subprocess_env(),  # the suite's own cache (tests/conftest.py)
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script("moments_curve", "--tiny", "--dtypes", "float32,bfloat16,float32+speculative",
+               "--out-dir", str(out))
     with open(out / "moments_curve.csv") as f:
         fp32, bf16, speculative = list(csv.DictReader(f))
     assert list(fp32) == [c.key for c in COLUMNS]

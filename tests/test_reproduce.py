@@ -4,19 +4,20 @@ point, its markdown has the table and the paper's figure, its PNG exists; each s
 reads bench rows refuses rows whose steps did not train; and the head-to-head and scaling
 arithmetic on known rows."""
 
+import contextlib
 import csv
 import importlib
+import io
 import json
-import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from recipes.bench.rows import training
 from recipes.reproduce import batch_sweep, head_to_head, scaling
 from recipes.reproduce.common import geomean
-from tests.conftest import REPO, subprocess_env
 
 # script -> (extra flags, points its CSV must hold)
 SCRIPTS = {
@@ -39,14 +40,20 @@ def test_script_end_to_end(name, tmp_path):
     check_end_to_end(name, tmp_path)
 
 
+def run_script(name: str, *argv: str) -> str:
+    """`python -m recipes.reproduce.NAME ARGV` in this process (the script launches its runs
+    itself: a process of its own would only import torch once more); what it printed."""
+    stdout = io.StringIO()
+    with mock.patch.object(sys, "argv", [name, *argv]), contextlib.redirect_stdout(stdout):
+        importlib.import_module(f"recipes.reproduce.{name}").main()
+    return stdout.getvalue()
+
+
 def check_end_to_end(name: str, tmp_path) -> Path:
     """`name` run as SCRIPTS says, its outputs checked; the bench rows it recorded."""
     flags, points = SCRIPTS[name]
-    proc = subprocess.run([sys.executable, "-m", f"recipes.reproduce.{name}", "--tiny",
-                           "--out-dir", str(tmp_path), *flags], cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
+    said = run_script(name, "--tiny", "--out-dir", str(tmp_path), *flags)
+    assert "FAILED" not in said, said[-3000:]
     module = __import__(f"recipes.reproduce.{name}", fromlist=["COLUMNS"])
     with open(tmp_path / f"{name}.csv") as f:
         rows = list(csv.DictReader(f))
@@ -68,11 +75,8 @@ def _same_from_recorded_rows(name: str, flags: list[str], run_dir) -> Path:
     file."""
     recorded, again = run_dir / "recorded.jsonl", run_dir / "again"
     (run_dir / "runs.jsonl").rename(recorded)
-    proc = subprocess.run([sys.executable, "-m", f"recipes.reproduce.{name}", "--tiny",
-                           "--out-dir", str(again), "--rows", str(recorded), *flags], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " x1: " not in proc.stdout and " x2: " not in proc.stdout  # no launch line
+    said = run_script(name, "--tiny", "--out-dir", str(again), "--rows", str(recorded), *flags)
+    assert " x1: " not in said and " x2: " not in said  # no launch line
     assert (again / f"{name}.csv").read_text() == (run_dir / f"{name}.csv").read_text()
     assert "Rows recorded before" in (again / f"{name}.md").read_text()
     return recorded

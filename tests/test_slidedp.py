@@ -308,9 +308,10 @@ def _update_order_case(world: int, accum: int, max_norm: float, nonfinite: str) 
                           for base in bases for order in ("next_use", "arrival")])
 
 
+# On 2 ranks: the order is what varies (test_three_ranks_untied_qwen25 compares orders on 3).
 UPDATE_ORDER_RUNS = {"2-2-0.5-stop_consecutive": (2, 2, 0.5, "stop_consecutive"),
-                     "3-1-0.5-stop_consecutive": (3, 1, 0.5, "stop_consecutive"),
-                     "3-2-0.0-off": (3, 2, 0.0, "off")}
+                     "2-1-0.5-stop_consecutive": (2, 1, 0.5, "stop_consecutive"),
+                     "2-2-0.0-off": (2, 2, 0.0, "off")}
 CASES.update({f"test_update_orders_are_bit_identical[{run}]": _update_order_case(*params)
               for run, params in UPDATE_ORDER_RUNS.items()})
 

@@ -26,8 +26,12 @@ GPU_FIGURES = {"tflops_per_gpu", "peak_bf16_tflops", "mfu"}
 
 def launch(*flags: str, ngpu: int | str = 1) -> subprocess.CompletedProcess:
     """./run_train.sh FLAGS with the debug config and NGPU=ngpu."""
-    env = dict(os.environ, NGPU=str(ngpu))
-    env.pop("OMP_NUM_THREADS", None)  # let run_train.sh split the cores between ranks
+    env = dict(os.environ, NGPU=str(ngpu), OMP_NUM_THREADS="1")
+    # Ranks: run_train.sh splits the cores between them. One process keeps one thread, as
+    # subprocess_env gives: the suite's other test file holds the second core, and two threads
+    # sharing one core wait on each other at every op.
+    if ngpu != 1:
+        del env["OMP_NUM_THREADS"]
     return subprocess.run(["./run_train.sh", *flags], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
 
