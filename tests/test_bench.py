@@ -8,10 +8,13 @@ import json
 import math
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
+import torch
 
+from protocols.backend import StepResult
 from recipes.bench import headline, throughput
 from recipes.bench.rows import training
 from recipes.bench.config import parse_bench_config, point_specs, points, routes
@@ -155,6 +158,33 @@ def test_trace_dir_is_made_and_each_point_gets_its_own_trace(tmp_path):
     assert [r["activation_blocks"] for r in rows] == ["", "0-1:keep"]
     assert all(r["traced_step_s"] > 0 for r in rows)
     assert all(len(r["loss"]) == 1 for r in rows)  # the traced step is not a timed one
+
+
+@pytest.mark.parametrize("sync, expected", [("window", 0.01), ("step", 0.04)])
+def test_a_step_is_timed_from_its_start_to_the_next_ones_unless_each_step_waits(
+        monkeypatch, sync, expected):
+    """A fake GPU: each step returns after 10 ms of host work and leaves 30 ms queued on the
+    device that the next step does not wait for (SlideDP's clipped GPU updates overlap the next
+    forward). `window`: a step is timed from its start to the next one's, as the training loop
+    runs them, and only the window's end waits for the device: 10 ms. `step`: each step waits
+    for its queued work: 40 ms."""
+    queued_until = [0.0]
+
+    def synchronize():
+        time.sleep(max(0.0, queued_until[0] - time.perf_counter()))
+
+    def step(data):
+        time.sleep(0.01)
+        queued_until[0] = time.perf_counter() + 0.03
+        return StepResult(loss_sum=1.0, grad_norm=1.0)
+
+    monkeypatch.setattr(throughput.torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(throughput.torch.cuda, "reset_peak_memory_stats", lambda device: None)
+    cfg, args = parse_bench_config(["--model.flavor=qwen3-debug", "--training.seq_len=16",
+                                    "--training.steps=5", f"--bench.sync={sync}"])
+    measured = throughput._measure(cfg, step, args=args, batch=1, name="fake", rank=0, world=1,
+                                   device=torch.device("cuda"))
+    assert measured["step_time_s"] == pytest.approx(expected, abs=0.006)
 
 
 @pytest.mark.parametrize("mode", ["slidedp", "fsdp2", "reference"])

@@ -49,6 +49,38 @@ def test_pure_compute_is_the_sum_of_the_gpu_work():
     assert sum(p.exposed_s.values()) == pytest.approx(STEP_EDGE_S, abs=1e-6)
 
 
+def test_launches_longer_than_the_kernels_set_the_step():
+    """Each use's launches (Rates.issue_s) run one after another on the compute thread and its
+    GPU work follows them. Shorter than the kernels, they hide behind them but the first;
+    longer (few sequences), the GPU waits and the step is their sum and the last use's work."""
+    L, fwd, bwd, head = 4, 0.1, 0.2, 0.05
+
+    def launched(issue_f, issue_b, issue_head):
+        work = MicroBatchWork(0.0, 0.0, head, (fwd,) * L, (bwd,) * L, head_issue=issue_head,
+                              block_issue=((issue_f, issue_b),) * L)
+        return simulate_step(spec(blocks=L, work=work), rates())
+
+    hidden = launched(0.01, 0.02, 0.01)
+    assert hidden.step_s == pytest.approx(0.01 + L * (fwd + bwd) + head + STEP_EDGE_S, rel=1e-6)
+    assert hidden.regime == "gpu-bound"
+    bound = launched(0.3, 0.5, 0.01)
+    assert bound.step_s == pytest.approx(L * (0.3 + 0.5) + 0.01 + bwd + STEP_EDGE_S, rel=1e-6)
+    assert bound.regime == "host-bound" and bound.bound_resource == "host launch"
+    assert bound.demand_s["host launch"] == pytest.approx(L * 0.8 + 0.01)
+    assert "launch" in bound.why and "more sequences per step" in bound.advice
+
+
+def test_the_probe_s_issue_times_reach_the_step_by_kernels_and_policy():
+    """Workload looks the issue times up by kernels and policy; a use not measured counts 0."""
+    args = get_flavor("qwen3-debug")
+    r = rates(issue_s={"torch/keep/forward": 0.003, "torch/keep/backward": 0.005,
+                       "torch/head": 0.002, "liger/keep/forward": 9.0})
+    work = Workload(r, args, flavor="qwen3-debug", kernels="torch", seq=64).micro_batch(
+        [KEEP, RECOMPUTE], 1)
+    assert work.block_issue == ((0.003, 0.005), (0.0, 0.0))
+    assert work.head_issue == 0.002 and work.embed_issue == (0.0, 0.0)
+
+
 def test_host_bound_step_waits_for_the_serial_updates():
     """Each block's AdamW (A) takes longer than its backward (b): the update thread runs them
     one after another from the last block's gradient on, so the step is forward + head + b +

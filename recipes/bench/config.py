@@ -57,6 +57,11 @@ class Bench(Checked):
     warmup: Annotated[int, at_least(0)] = 1
     """Untimed steps of each point before its training.steps timed ones (SlideDP takes one more:
     its host updates run into the next step)."""
+    sync: Literal["window", "step"] = "window"
+    """When the timed steps wait for the device. "window": before the first and after the last,
+    as the training loop runs (it never waits for the whole device): a step's time runs from its
+    start to the next one's, so GPU work a step leaves queued (SlideDP's clipped GPU updates)
+    overlaps the next step as in training. "step": after every step, so nothing overlaps."""
     label: str = ""
     """The rows' label (tables name a system by its mode and label)."""
     launch: Annotated[int, at_least(1)] = 1

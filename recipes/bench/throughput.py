@@ -29,8 +29,9 @@ deepspeed package) train for real (synthetic tokens, AdamW); `bench.reference` i
 compute-only reference of docs/DESIGN.md §7.1: the BF16 model resident on each GPU,
 forward+backward only, no host traffic and no communication (each rank alone; the global rate is
 the per-GPU rate x ranks).
-Each point: `bench.warmup` steps, then the median of `training.steps` timed steps (device
-synchronized). Each row records every timed step's loss, gradient norm and skipped update
+Each point: `bench.warmup` steps, then the median of `training.steps` timed steps: by default
+each from its start to the next one's, the device synchronized only around them, as the training
+loop runs (`bench.sync`). Each row records every timed step's loss, gradient norm and skipped update
 (recipes/bench/rows.py: the reference's are rank 0's own, and it updates nothing); a row whose
 steps did not train is written marked invalid, and the bench exits non-zero after its last row.
 """
@@ -191,7 +192,8 @@ def _train_step(backend, *, accum: int, tokens: int):
 
 def _measure(cfg: BenchConfig, step, *, args: ModelArgs, batch: int, name: str, rank: int,
              world: int, device: torch.device) -> dict:
-    """`bench.warmup` steps, the median of `training.steps` timed ones (device synchronized),
+    """`bench.warmup` steps, the median of `training.steps` timed ones (timed as `bench.sync`
+    says),
     the means of the backend's counters over them, what each trained (rows.training), and with
     `bench.trace_dir` one profiled step after them."""
     b, seq = cfg.bench, cfg.training.seq_len
@@ -209,16 +211,24 @@ def _measure(cfg: BenchConfig, step, *, args: ModelArgs, batch: int, name: str, 
     batches = iter(SyntheticBatches(vocab_size=args.vocab_size, seq_len=seq,
                                     local_batch_size=batch, dp_rank=rank, dp_world=world,
                                     seed=cfg.training.seed))
+    cuda = device.type == "cuda"
+    marks = []  # "window": the timed steps' starts, then the end of the last one's work
     for i in range(n_timed + trace):
-        data = next(batches)
         profiling = i == n_timed and rank == 0
+        if cuda and (b.sync == "step" or i == warmup):
+            torch.cuda.synchronize()
+        if warmup <= i < n_timed:
+            marks.append(time.perf_counter())  # a step's start: before its data, as in training
+        data = next(batches)
         prof = _profiler() if profiling else contextlib.nullcontext()
         start = time.perf_counter()
         with prof:
             result = step(data)
-            if device.type == "cuda":
+            if cuda and (b.sync == "step" or i >= n_timed - 1):
                 torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        if i == n_timed - 1:
+            marks.append(time.perf_counter())
         if profiling:
             os.makedirs(b.trace_dir, exist_ok=True)
             path = os.path.join(b.trace_dir, f"{name}.json.gz")
@@ -227,6 +237,8 @@ def _measure(cfg: BenchConfig, step, *, args: ModelArgs, batch: int, name: str, 
         elif warmup <= i < n_timed:
             times.append(elapsed)
             results.append(result)
+    if b.sync == "window":  # each step from its start to the next one's
+        times = [t1 - t0 for t0, t1 in zip(marks, marks[1:])]
     extras = [r.extra for r in results]
     # The loss targets of a step: every position of the batch, the reference's of rank 0 alone.
     targets = batch * seq * (1 if b.reference else world)
@@ -268,7 +280,7 @@ def _row(cfg: BenchConfig, *, args: ModelArgs, route: str, ac: str, batch: int, 
             "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
             "world": world, "seq": seq, "local_batch": batch, "accum": accum,
             "max_norm": cfg.training.max_norm, "nonfinite": cfg.training.nonfinite,
-            "launch": cfg.bench.launch, "step_time_s": step_time,
+            "launch": cfg.bench.launch, "sync": cfg.bench.sync, "step_time_s": step_time,
             **throughput(global_tokens=batch * seq * world, step_time=step_time,
                          flops_per_token=args.flops_per_token(seq), world=world,
                          gpu=gpu_name(device)),

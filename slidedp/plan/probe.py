@@ -4,7 +4,8 @@ Machine rates, once per machine: slidedp/plan/probe_machine.py. Model rates, onc
 sequence length: on rank 0, one block of the model on the device (its kernels, the run's compute
 dtype, random weights) timed forward and backward under each policy at the run's micro-batch
 (fewer sequences if it would not fit, then divided per sequence), the head with the loss and the
-embedding; each policy's activation bytes (slidedp/activations/cost.py, SlideDP's BF16 blocks);
+embedding, and the host seconds to issue each of these (their kernels launched, before they run);
+each policy's activation bytes (slidedp/activations/cost.py, SlideDP's BF16 blocks);
 and the effective TFLOP/s of the FLOP model fitted to the kept block. On the CPU the device is
 the CPU and the same code runs, so the planner can be tested without a GPU; a model too large to
 time there is refused before anything is measured.
@@ -26,10 +27,10 @@ from models.kernels import Kernels
 from protocols.model_spec import ModelArgs, spec_of
 from slidedp.activations import (KEEP, RECOMPUTE, ActivationPolicy, BlockSegments, block_input,
                                  measure_costs, parse_policy)
-from slidedp.plan.probe_machine import (ProbeSizes, barrier, host_cores, median_seconds,
+from slidedp.plan.probe_machine import (ProbeSizes, barrier, host_cores, issue_and_run_seconds,
                                         probe_machine, share, sync)
 from slidedp.plan.rates import (BlockTiming, Machine, Rates, cache_dir, cache_path, load_rates,
-                                model_key, shipped_names, this_host, timing_key)
+                                issue_key, model_key, shipped_names, this_host, timing_key)
 from slidedp.plan.workload import segment_flops
 
 
@@ -59,20 +60,25 @@ def _block(args: ModelArgs, kernels: Kernels, device: torch.device,
 
 
 def _time_block(policy: ActivationPolicy, block: nn.Module, args: ModelArgs, *, batch: int,
-                seq: int, device: torch.device, repeats: int) -> BlockTiming:
+                seq: int, device: torch.device, repeats: int) -> tuple[BlockTiming, dict[str, float]]:
+    """The block's timing under `policy` per sequence, and the host seconds to issue its
+    forward and backward (per micro-batch: the same at any batch)."""
     weights = dict(block.named_parameters())
     rope = spec_of(args).rope_tables(args, seq, device)
     h = torch.randn(batch, seq, args.dim, device=device, dtype=next(block.parameters()).dtype)
     grad = torch.randn_like(h)
-    forward, backward = [], []
+    forward, backward, issue_forward, issue_backward = [], [], [], []
+    cuda = device.type == "cuda"
     for i in range(repeats + _WARMUP):
         sink: list[torch.Tensor] = []
         sync(device)
         t0 = time.perf_counter()
         out = policy.forward(BlockSegments(block), block_input(h, sink), weights, rope)
+        t0_issued = time.perf_counter()
         sync(device)
         t1 = time.perf_counter()
         out.backward(grad)
+        t1_issued = time.perf_counter()
         sync(device)
         t2 = time.perf_counter()
         del out, sink
@@ -81,13 +87,20 @@ def _time_block(policy: ActivationPolicy, block: nn.Module, args: ModelArgs, *, 
         if i >= _WARMUP:
             forward.append(t1 - t0)
             backward.append(t2 - t1)
-    return BlockTiming(forward_s=statistics.median(forward) / batch,
-                       backward_s=statistics.median(backward) / batch, batch=batch)
+            issue_forward.append(t0_issued - t0 if cuda else 0.0)
+            issue_backward.append(t1_issued - t1 if cuda else 0.0)
+    base = policy.base
+    return (BlockTiming(forward_s=statistics.median(forward) / batch,
+                        backward_s=statistics.median(backward) / batch, batch=batch),
+            {f"{base}/forward": statistics.median(issue_forward),
+             f"{base}/backward": statistics.median(issue_backward)})
 
 
 def _time_head_and_embed(args: ModelArgs, kernels: Kernels, *, batch: int, seq: int,
                          loss_chunk: int, device: torch.device, dtype: torch.dtype,
-                         repeats: int) -> dict[str, BlockTiming]:
+                         repeats: int) -> tuple[dict[str, BlockTiming], dict[str, float]]:
+    """The head's (forward and backward as one) and the embedding's timings per sequence, and
+    the host seconds to issue each (per micro-batch)."""
     spec, on = spec_of(args), dict(dtype=dtype, device=device)
     units = dict(spec.units(args))  # the embedding's and the head's parameters by kind
 
@@ -109,8 +122,8 @@ def _time_head_and_embed(args: ModelArgs, kernels: Kernels, *, batch: int, seq: 
         for w in (*head.values(), *emb.values()):
             w.grad = None
 
-    out = {"head": BlockTiming(forward_s=median_seconds(head_step, device=device, repeats=repeats)
-                               / batch, backward_s=0.0, batch=batch)}
+    head_issue, head_s = issue_and_run_seconds(head_step, device=device, repeats=repeats)
+    out = {"head": BlockTiming(forward_s=head_s / batch, backward_s=0.0, batch=batch)}
     grad = torch.randn(batch, seq, args.dim, **on)
     state: dict = {}
 
@@ -123,11 +136,12 @@ def _time_head_and_embed(args: ModelArgs, kernels: Kernels, *, batch: int, seq: 
         for w in emb.values():
             w.grad = None
 
-    fwd = median_seconds(embed_forward, device=device, repeats=repeats)
-    both = median_seconds(embed_backward, device=device, repeats=repeats)
+    fwd_issue, fwd = issue_and_run_seconds(embed_forward, device=device, repeats=repeats)
+    both_issue, both = issue_and_run_seconds(embed_backward, device=device, repeats=repeats)
     out["embed"] = BlockTiming(forward_s=fwd / batch, backward_s=max(both - fwd, 0.0) / batch,
                                batch=batch)
-    return out
+    return out, {"head": head_issue, "embed/forward": fwd_issue,
+                 "embed/backward": max(both_issue - fwd_issue, 0.0)}
 
 
 def _probe_batch(keep_bytes_per_seq: float, batch: int, device: torch.device,
@@ -152,7 +166,7 @@ def probe_model(rates: Rates, args: ModelArgs, *, flavor: str, kernels: Kernels,
     key = model_key(args, kernels.name, compute_dtype)
     if rates.model not in ("", key):
         raise ValueError(f"these rates hold another model's timings ({rates.model})")
-    blocks, costs = dict(rates.blocks), dict(rates.costs)
+    blocks, costs, issue = dict(rates.blocks), dict(rates.costs), dict(rates.issue_s)
     policies = list(dict.fromkeys(policies))
     new_costs = [p for p in policies if timing_key(p.name, seq) not in costs]
     if new_costs:
@@ -175,27 +189,33 @@ def probe_model(rates: Rates, args: ModelArgs, *, flavor: str, kernels: Kernels,
             # more than its steady state; the engine pays it once at its first step.
             for warm in (KEEP, RECOMPUTE):
                 _time_block(warm, block, args, batch=b, seq=seq, device=device, repeats=1)
+            issued: dict[str, float] = {}
             for base in missing:
-                blocks[timing_key(base, seq)] = _time_block(parse_policy(base), block, args, batch=b,
-                                                            seq=seq, device=device,
-                                                            repeats=sizes.repeats)
+                blocks[timing_key(base, seq)], times = _time_block(
+                    parse_policy(base), block, args, batch=b, seq=seq, device=device,
+                    repeats=sizes.repeats)
+                issued.update(times)
             del block
             if timing_key("head", seq) not in blocks:
-                for what, t in _time_head_and_embed(args, kernels, batch=b, seq=seq,
-                                                    loss_chunk=loss_chunk, device=device,
-                                                    dtype=dtype, repeats=sizes.repeats).items():
-                    blocks[timing_key(what, seq)] = t
+                timings, times = _time_head_and_embed(args, kernels, batch=b, seq=seq,
+                                                      loss_chunk=loss_chunk, device=device,
+                                                      dtype=dtype, repeats=sizes.repeats)
+                blocks.update({timing_key(what, seq): t for what, t in timings.items()})
+                issued.update(times)
+        issue.update({issue_key(kernels.name, what): s for what, s in issued.items()})
         for base in missing:
             t = blocks[timing_key(base, seq)]
             log(f"block under {base}: forward {t.forward_s * 1e3:.2f} ms, backward "
-                f"{t.backward_s * 1e3:.2f} ms per sequence of {seq} (timed at {t.batch})")
+                f"{t.backward_s * 1e3:.2f} ms per sequence of {seq} (timed at {t.batch}); "
+                f"issued in {issued[f'{base}/forward'] * 1e3:.2f} and "
+                f"{issued[f'{base}/backward'] * 1e3:.2f} ms")
     tflops = dict(rates.gpu_tflops)
     keep = blocks.get(keep_key)
     if keep is not None:  # the FLOP model's rate for policies never timed, fitted to keep
         flops = 3 * sum(segment_flops(args, seq).values()) * seq
         tflops[f"{flavor}/{kernels.name}"] = flops / (keep.forward_s + keep.backward_s) / 1e12
     return replace(rates.with_model(key, blocks, costs), gpu_tflops=tflops,
-                   compute_dtype=compute_dtype)
+                   compute_dtype=compute_dtype, issue_s=issue)
 
 
 def probe(args: ModelArgs, *, flavor: str, kernels: Kernels, policies: Iterable[ActivationPolicy],

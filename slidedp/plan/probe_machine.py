@@ -48,16 +48,27 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[], None], *, device: torch.device, repeats: int) -> float:
+def issue_and_run_seconds(fn: Callable[[], None], *, device: torch.device,
+                          repeats: int) -> tuple[float, float]:
+    """Median seconds of `fn` (after one untimed call) to return, its kernels issued, and to
+    finish on the device. Where the device is the CPU its ops run as they are issued: the first
+    is 0 (no issue time apart from the run)."""
     fn()
     sync(device)
-    times = []
+    issued, done = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        returned = time.perf_counter()
         sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        issued.append(returned - start if device.type == "cuda" else 0.0)
+        done.append(time.perf_counter() - start)
+    return statistics.median(issued), statistics.median(done)
+
+
+def median_seconds(fn: Callable[[], None], *, device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn` to finish on the device (after one untimed call)."""
+    return issue_and_run_seconds(fn, device=device, repeats=repeats)[1]
 
 
 def thread_counts(cores: int) -> list[int]:

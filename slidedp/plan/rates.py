@@ -154,6 +154,12 @@ class Rates:
     """CPU AdamW with 8-bit moments (slidedp.moments_dtype = "8bit"), Gparam/s by thread count:
     bound by its code lookups rather than by bytes, so not derived from `adam_gparams` (empty:
     not measured on this machine)."""
+    issue_s: dict[str, float] = field(default_factory=dict)
+    """Host seconds to issue (launch, not run) one micro-batch's use of a unit on the GPU, by
+    `issue_key(kernels, what)`: a block's forward or backward under a policy, the head, the
+    embedding. The same at any batch and width (the same ops are launched); the GPU waits for
+    them where they exceed its work (few sequences). 0 where the device is the CPU (its ops run
+    as they are issued); a use not measured counts 0."""
 
     # ---- lookups -------------------------------------------------------------------------------
 
@@ -188,6 +194,10 @@ class Rates:
     def attention(self, flavor: str, seq: int) -> float | None:
         """The measured attention rate of `flavor` at `seq`, if any."""
         return self.attention_tflops.get(timing_key(flavor, seq))
+
+    def issue(self, kernels: str, what: str) -> float:
+        """Host seconds to issue `what` on `kernels` (`issue_s`), 0 where not measured."""
+        return self.issue_s.get(issue_key(kernels, what), 0.0)
 
     def with_model(self, model: str, blocks: dict[str, BlockTiming],
                    costs: dict[str, BlockCost]) -> "Rates":
@@ -264,6 +274,11 @@ def model_key(args: ModelArgs, kernels: str, dtype: str = "bf16") -> str:
 def timing_key(what: str, seq: int) -> str:
     """Key of a measured timing or cost: a policy's name (or "head", "embed") at `seq`."""
     return f"{what}@{seq}"
+
+
+def issue_key(kernels: str, what: str) -> str:
+    """Key of a measured issue time: the kernels and the use ("keep/forward", "head", ...)."""
+    return f"{kernels}/{what}"
 
 
 def cache_dir() -> Path:

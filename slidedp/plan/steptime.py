@@ -7,9 +7,9 @@ updates cross step boundaries), on the lanes and capacities of slidedp/plan/simu
   lanes per rank: the compute thread (host), the delivery thread, the delivery stream, the GPU
   compute stream, the offload stream, the update thread, the return stream, the embedding's
   update stream (slidedp.embedding_update = "gpu");
-  capacities: each GPU, each rank's CPU threads, each GPU's H2D and D2H links, the host's H2D and
-  D2H totals (a shared PCIe root: the per-GPU rate with every GPU copying, times the GPUs), host
-  memory bandwidth, the GPU interconnect.
+  capacities: each GPU, each rank's CPU threads and its launches, each GPU's H2D and D2H
+  links, the host's H2D and D2H totals (a shared PCIe root: the per-GPU rate with every GPU
+  copying, times the GPUs), host memory bandwidth, the GPU interconnect.
 
 Handshakes modelled: a delivery into a buffer waits for the GPU to finish the buffer's previous
 use (and, on the host, for the compute thread to have issued it); a delivery for step t+1 waits
@@ -50,7 +50,12 @@ SlideFormer's data parallelism (its published design, docs/DESIGN.md §4 of the 
 returns its full gradient, rank 0 alone sums and updates with every core, and the ranks meet at
 a barrier around every chunk of the return.
 
-Not modelled: GPU kernels slowed by copies and collectives running beside them, the launch cost of the host threads, GPU memory pressure.
+The compute thread issues a use's kernels in the host seconds the probe measured for it
+(Rates.issue_s, the same at any batch), and the GPU runs the use once it is issued: at few
+sequences a block's launches can outlast its kernels, and the GPU waits for the host.
+
+Not modelled: GPU kernels slowed by copies and collectives running beside them, the update
+thread's launches of the GPU updates (a few kernels per unit), GPU memory pressure.
 """
 
 from dataclasses import dataclass, field
@@ -135,7 +140,8 @@ class StepBuilder:
                 "dram": max(rates.dram_gbs * 1e9, rates.adam(spec.cores) * ADAM_BYTES["bf16"]),
                 "nvlink": 1.0}
         for r in range(R):
-            caps.update({f"gpu:{r}": 1.0, f"cpu:{r}": 1.0, f"h2d:{r}": rates.h2d_gbs * 1e9,
+            caps.update({f"gpu:{r}": 1.0, f"cpu:{r}": 1.0, f"launch:{r}": 1.0,
+                         f"h2d:{r}": rates.h2d_gbs * 1e9,
                          f"d2h:{r}": rates.d2h_gbs * 1e9})
         if rates.uplink_gbs:
             for j in range(-(-R // rates.gpus_per_uplink)):
@@ -248,7 +254,9 @@ class StepBuilder:
                 host, gpu = [], []
                 for r, rk in enumerate(self.ranks):
                     thread_done, arrival = issued[r]
-                    host.append(self.add(f"host:{r}", deps=[thread_done, first], kind="issue"))
+                    host.append(self.add(f"host:{r}", deps=[thread_done, first],
+                                         work={f"launch:{r}": self._issue_seconds(use)},
+                                         kind="launch"))
                     if use.phase == "bwd" and use.unit - 1 == self.prefetch_at:
                         rk.state_on_gpu = simulate_state_copy(self, r, 12, "h2d", [host[r]])
                     if use.prefetch is not None and use.prefetch in offloaded[r]:
@@ -320,6 +328,15 @@ class StepBuilder:
                                         kind="h2d"))
             out.append((thread, copies[-1]))
         return self.delivery.simulate_rebuild(self, elems, out)
+
+    def _issue_seconds(self, use) -> float:
+        """Host seconds the compute thread takes to launch the use's kernels."""
+        w = self.spec.work
+        if use.unit == 0:
+            return w.embed_issue[use.phase != "fwd"]
+        if use.phase == "head":
+            return w.head_issue
+        return w.block_issue[use.unit - 1][use.phase != "fwd"] if w.block_issue else 0.0
 
     def _gpu_seconds(self, use) -> float:
         w = self.spec.work

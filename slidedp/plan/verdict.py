@@ -20,7 +20,7 @@ class StepPrediction:
     """Seconds each resource was busy during the step (rank 0 for per-rank ones)."""
     exposed_s: dict[str, float]
     """Seconds the GPU (rank 0) sat idle while this was the first thing running (in the order
-    h2d, collective, d2h, cpu update, cast; "other": nothing was, e.g. a step edge)."""
+    h2d, collective, d2h, cpu update, cast, launch; "other": nothing was, e.g. a step edge)."""
     demand_s: dict[str, float]
     """Service demand per step of each resource: the seconds its work needs at its full rate
     (the busiest rank for per-rank ones); the step takes at least the largest."""
@@ -41,12 +41,13 @@ class StepPrediction:
         return max(self.demand_s, key=self.demand_s.get)
 
 
-_EXPOSED_ORDER = ("h2d", "collective", "inter-node", "d2h", "cpu update", "cast")
+_EXPOSED_ORDER = ("h2d", "collective", "inter-node", "d2h", "cpu update", "cast", "launch")
 _CAPACITIES = {"h2d per GPU": "h2d:0", "d2h per GPU": "d2h:0", "host h2d": "host_h2d",
                "host d2h": "host_d2h", "host memory": "dram", "interconnect": "nvlink",
-               "inter-node link": "nic:0", "cpu update": "cpu:0"}
+               "inter-node link": "nic:0", "cpu update": "cpu:0", "host launch": "launch:0"}
 """The resources reported, by the capacity that stands for them (rank 0's where per rank)."""
-_PER_RANK = {"gpu compute": "gpu", "h2d per GPU": "h2d", "d2h per GPU": "d2h", "cpu update": "cpu"}
+_PER_RANK = {"gpu compute": "gpu", "h2d per GPU": "h2d", "d2h per GPU": "d2h", "cpu update": "cpu",
+             "host launch": "launch"}
 
 
 def demands(spec: StepSpec, sim: Simulation, step: int) -> dict[str, float]:
@@ -77,7 +78,8 @@ def analyse(spec: StepSpec, sim: Simulation, t0: float, t1: float, *, last_step:
     gpu_busy = on("gpu:0")
     idle = subtract([(t0, t1)], gpu_busy)
     exposed, left = {}, idle
-    lanes0 = ("dstream:0", "ostream:0", "rstream:0", "uthread:0", "dthread:0", "gstream:0")
+    lanes0 = ("dstream:0", "ostream:0", "rstream:0", "uthread:0", "dthread:0", "gstream:0",
+              "host:0")
     for kind in _EXPOSED_ORDER:
         active = [iv for lane in lanes0 for iv in on(lane, (kind,))]
         exposed[kind] = sum(b - a for a, b in left) - sum(b - a for a, b in subtract(left, active))
@@ -129,6 +131,8 @@ def _routes_advice(spec: StepSpec) -> str:
     return "more window_slots (fewer re-deliveries), or more sequences per step"
 
 
+_LAUNCH_ADVICE = ("more sequences per step (a block's kernels take as long to launch at any "
+                  "batch)")
 _ADVICE = {
     "cpu update": lambda s: "more sequences per step (training.local_batch_size or "
                             "grad_accum_steps) or more cores per rank (slidedp.cpu_threads)",
@@ -148,6 +152,7 @@ _ADVICE = {
                               else "more sequences per step",
     "inter-node link": lambda s: "more sequences per step (the gradient crosses the nodes once "
                                  "per step), or a faster link",
+    "host launch": lambda s: _LAUNCH_ADVICE,
 }
 _EXPOSED_ADVICE = {
     "h2d": _routes_advice,
@@ -158,5 +163,6 @@ _EXPOSED_ADVICE = {
     "cpu update": lambda s: "more sequences per step hide the update behind more backward "
                             "(the last gradients' update, the embedding's, is the tail)",
     "cast": lambda s: "slidedp.bf16_shadow = true (no cast in the delivery)",
+    "launch": lambda s: _LAUNCH_ADVICE,
     "other": lambda s: "more sequences per step (fewer step edges per token)",
 }

@@ -75,6 +75,12 @@ class MicroBatchWork:
     """Per block."""
     block_backward: tuple[float, ...]
     """Per block, the policy's replay included."""
+    embed_issue: tuple[float, float] = (0.0, 0.0)
+    """Host seconds to issue the embedding's forward and backward (Rates.issue_s)."""
+    head_issue: float = 0.0
+    """Host seconds to issue the head's forward and backward."""
+    block_issue: tuple[tuple[float, float], ...] = ()
+    """Per block, host seconds to issue its forward and backward (empty: none counted)."""
 
     @property
     def total(self) -> float:
@@ -127,11 +133,20 @@ class Workload:
             return 0.0, 0.0
         return measured.forward_s * batch, measured.backward_s * batch
 
+    def issue(self, what: str) -> float:
+        """Host seconds to issue `what` once per micro-batch, at any batch (Rates.issue_s)."""
+        return self.rates.issue(self.kernels, what)
+
     def micro_batch(self, policies: list[ActivationPolicy], batch: int) -> MicroBatchWork:
         per_block = [self.block(p, batch) for p in policies]
         return MicroBatchWork(*self.embed(batch), head=self.head(batch),
                               block_forward=tuple(f for f, _ in per_block),
-                              block_backward=tuple(b for _, b in per_block))
+                              block_backward=tuple(b for _, b in per_block),
+                              embed_issue=(self.issue("embed/forward"), self.issue("embed/backward")),
+                              head_issue=self.issue("head"),
+                              block_issue=tuple((self.issue(f"{_base_name(p)}/forward"),
+                                                 self.issue(f"{_base_name(p)}/backward"))
+                                                for p in policies))
 
     # ---- activation bytes ----------------------------------------------------------------------
 

@@ -5,6 +5,7 @@
 # breakdown). Before = `git archive 2ccb66f` in .old/, whose bench takes the old flag names.
 #   FLAVOR=qwen3-4B SEQS=4,1 BLOCKS=36 REF_SEQS=4 LAUNCHES=3 TRACE=1 \
 #   CORRECT="tests/test_gpu_options.py -k 'base or resident'" bash ab.sh OUT
+# EXTRA: more flags for the after side (session 28: `--bench.sync step`, the old bench's timing).
 set -u
 OUT=$1
 FLAVOR=${FLAVOR:-qwen3-4B} SEQS=${SEQS:-4,1} BLOCKS=${BLOCKS:-36} REF_SEQS=${REF_SEQS:-4}
@@ -23,7 +24,7 @@ tail -3 "$OUT/correctness.log"
 NEW="--parallelism.mode slidedp --model.kernels liger --model.flavor $FLAVOR --training.max_norm 1.0
   --slidedp.check_host_memory=false --bench.warmup 1 --training.steps 3 --training.nonfinite skip
   --slidedp.embedding_update resident --slidedp.update_order next_use --slidedp.gpu_state_blocks $BLOCKS
-  --bench.points keep:$SEQS"
+  --bench.points keep:$SEQS ${EXTRA:-}"
 OLD="--mode slidedp --kernels liger --flavor $FLAVOR --max-norm 1.0 --no-memory-check --warmup 1
   --steps 3 --nonfinite skip --embedding-update resident --update-order next_use
   --gpu-state-blocks $BLOCKS --points keep:$SEQS"
