@@ -13,7 +13,8 @@ from slidedp.gpu_update import GPU_ADAM_BYTES
 from slidedp.plan.rates import Machine, Rates, load_rates, timing_key
 from slidedp.plan.simulate import Simulation
 from slidedp.plan.step_spec import StepSpec
-from slidedp.plan.steptime import ADAM_BYTES, BF16_MOMENTS_SAVE, STEP_EDGE_S, simulate_step
+from slidedp.plan.host_pass import ADAM_BYTES, BF16_MOMENTS_SAVE
+from slidedp.plan.steptime import STEP_EDGE_S, simulate_step
 from slidedp.plan.workload import MicroBatchWork, Workload, segment_flops
 
 FAST = 1e9  # GB/s: a link that takes no time

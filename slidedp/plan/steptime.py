@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from slidedp.gpu_update import PREFETCH_AT_BLOCK, simulate_gpu_update, simulate_state_copy
 from slidedp.layout import chunks
 from slidedp.peer_styles import RUNTIME_STYLES
+from slidedp.plan.host_pass import ADAM_BYTES, host_pass_cost
 from slidedp.plan.rates import MissingRate, Rates
 from slidedp.plan.simulate import Simulation
 from slidedp.plan.step_spec import StepSpec
@@ -77,19 +78,6 @@ SIMULATED_STEPS = 3
 STEP_EDGE_S = 1e-3
 """Host work at each step's edges (the norm all-reduce, drawing the batch): about a millisecond,
 not measured."""
-ADAM_BYTES = {"bf16": 28, "fp32": 30}
-"""Host bytes per parameter of one AdamW pass, by gradient dtype (read p, m, v, g; write p, m,
-v and the BF16 shadow), with FP32 moments."""
-BF16_MOMENTS_SAVE = 8
-"""Bytes per parameter that BF16 moments take off that pass (m and v read and written as 2, not
-4): the pass is bound by host memory traffic, so its time falls in proportion."""
-STATE_BYTES = {"float32": 12, "bfloat16": 8, "8bit": 6}
-"""Host bytes per parameter of the optimizer state (master and moments): a speculative update
-reads and writes them once more to copy them aside, a redo to restore them."""
-MOMENTS_8BIT_SAVE = 12
-"""Bytes per parameter that 8-bit moments take off it (m and v as 1 byte each, plus a 4-byte
-scale per 128): counted as DRAM traffic, while the pass's time is its own measured rate."""
-
 
 @dataclass
 class _Rank:
@@ -208,25 +196,10 @@ class StepBuilder:
 
     def host_pass(self, r: int, elems: int, *, kind: str, deps, grad: str = "bf16",
                   sources: int = 1, assign: bool = True, locked: bool = False) -> int:
-        """CPU work on rank r's update thread: an AdamW pass, or `sources` gradient-sum passes
-        (the first assigns unless `assign` is False); `locked`: under the host lock that every
-        rank's adds share (the locked route), one at a time."""
-        rates, threads = self.rates, self.threads_of(r)
-        if kind == "adam":
-            moments = self.spec.moments
-            save = {"float32": 0, "bfloat16": BF16_MOMENTS_SAVE, "8bit": MOMENTS_8BIT_SAVE}[moments]
-            per_param = ADAM_BYTES[grad] - save
-            if moments == "8bit":
-                seconds = elems / rates.adam_8bit(threads)
-            else:
-                seconds = elems / rates.adam(threads) * per_param / ADAM_BYTES["bf16"]
-            # The copy aside (standing) or back (redone), bound by memory like the update.
-            copy = 2 * STATE_BYTES[moments] if self.spec.speculative != "off" else 0
-            seconds += elems / rates.adam(threads) * copy / ADAM_BYTES["bf16"]
-            nbytes = elems * (per_param + copy)
-        else:  # acc = src (6 B/elem), acc += src (10 B/elem), src BF16
-            seconds = sources * elems / rates.grad_sum(threads)
-            nbytes = elems * (10 * sources - (4 if assign else 0))
+        """CPU work on rank r's update thread (plan/host_pass.py's cost); `locked`: under the
+        host lock that every rank's adds share (the locked route), one at a time."""
+        seconds, nbytes = host_pass_cost(self.rates, self.spec, self.threads_of(r), elems,
+                                         kind=kind, grad=grad, sources=sources, assign=assign)
         lanes = (f"uthread:{r}", "lock") if locked else f"uthread:{r}"
         return self.add(lanes, work={f"cpu:{r}": seconds, "dram": nbytes}, deps=deps,
                         kind="cpu update")
@@ -249,13 +222,14 @@ class StepBuilder:
             prefetched: list[dict[int, int]] = [{} for _ in range(R)]
             offloaded: list[dict[int, int]] = [{} for _ in range(R)]
             for k, use in enumerate(uses):
+                gpu_s, launch_s = spec.work.use_seconds(use.unit, use.phase)
                 issued = self._delivery(use, submit) if use.deliver else [(None, None)] * R
                 first = step_start if micro == 0 and k == 0 else None
                 host, gpu = [], []
                 for r, rk in enumerate(self.ranks):
                     thread_done, arrival = issued[r]
                     host.append(self.add(f"host:{r}", deps=[thread_done, first],
-                                         work={f"launch:{r}": self._issue_seconds(use)},
+                                         work={f"launch:{r}": launch_s},
                                          kind="launch"))
                     if use.phase == "bwd" and use.unit - 1 == self.prefetch_at:
                         rk.state_on_gpu = simulate_state_copy(self, r, 12, "h2d", [host[r]])
@@ -264,7 +238,7 @@ class StepBuilder:
                             f"ostream:{r}", r, spec.offload_bytes[use.prefetch - 1], "h2d",
                             [host[r], offloaded[r][use.prefetch]], kind="h2d")
                     back = prefetched[r].get(use.unit) if use.phase == "bwd" else None
-                    gpu.append(self.add(f"gpu:{r}", work={f"gpu:{r}": self._gpu_seconds(use)},
+                    gpu.append(self.add(f"gpu:{r}", work={f"gpu:{r}": gpu_s},
                                         deps=[host[r], arrival, back], kind="compute"))
                     if use.phase == "fwd" and use.unit != 0 and use.offload > 0:
                         offloaded[r][use.unit] = self.copy(
@@ -328,24 +302,6 @@ class StepBuilder:
                                         kind="h2d"))
             out.append((thread, copies[-1]))
         return self.delivery.simulate_rebuild(self, elems, out)
-
-    def _issue_seconds(self, use) -> float:
-        """Host seconds the compute thread takes to launch the use's kernels."""
-        w = self.spec.work
-        if use.unit == 0:
-            return w.embed_issue[use.phase != "fwd"]
-        if use.phase == "head":
-            return w.head_issue
-        return w.block_issue[use.unit - 1][use.phase != "fwd"] if w.block_issue else 0.0
-
-    def _gpu_seconds(self, use) -> float:
-        w = self.spec.work
-        if use.unit == 0:
-            return w.embed_forward if use.phase == "fwd" else w.embed_backward
-        if use.phase == "head":
-            return w.head
-        block = use.unit - 1
-        return w.block_forward[block] if use.phase == "fwd" else w.block_backward[block]
 
     # ---- gradients -------------------------------------------------------------------------------
 

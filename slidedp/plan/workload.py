@@ -82,6 +82,18 @@ class MicroBatchWork:
     block_issue: tuple[tuple[float, float], ...] = ()
     """Per block, host seconds to issue its forward and backward (empty: none counted)."""
 
+    def use_seconds(self, unit: int, phase: str) -> tuple[float, float]:
+        """(GPU seconds, host seconds to issue it) of the use of `unit` (0 the embedding, 1 + i
+        block i) in `phase` ("fwd", "bwd", or "head": the head's forward and backward)."""
+        if unit == 0:
+            back = phase != "fwd"
+            return (self.embed_backward if back else self.embed_forward), self.embed_issue[back]
+        if phase == "head":
+            return self.head, self.head_issue
+        block, back = unit - 1, phase != "fwd"
+        gpu = self.block_backward[block] if back else self.block_forward[block]
+        return gpu, self.block_issue[block][back] if self.block_issue else 0.0
+
     @property
     def total(self) -> float:
         return (self.embed_forward + self.embed_backward + self.head + sum(self.block_forward)
