@@ -10,9 +10,9 @@ suites and the generated codec tables left out), with a byte-level BPE tokenizer
 first. The model keeps its flavor's vocabulary rows; the tokenizer uses the first `--vocab`.
 
 GPU defaults: qwen3-0.6B, 4 sequences of 2,048 tokens per step, 200 steps, AdamW lr 3e-4 after
-20 warm-up steps, cosine to 3e-5, clipping 1.0, activations kept: 73-81 s per dtype on one H200
-with the liger kernels (2026-12-04; the first run on a machine compiles the CPU Adam kernel,
-the tokenizer takes seconds once). On the GPU two identical FP32 runs do not match bit for bit
+20 warm-up steps, cosine to 3e-5, clipping 1.0, activations kept (its time per dtype on one
+H200: docs/results/2026-12-04-h200-session21/; the first run on a machine compiles the CPU Adam
+kernel, the tokenizer takes seconds once). On the GPU two identical FP32 runs do not match bit for bit
 (the kernels' reductions): their difference is the floor a moments dtype is judged against. --tiny:
 qwen3-debug on the CPU, 4 sequences of 64 tokens, 20 steps (seconds per dtype). A dtype named
 twice runs twice (its second run labelled `<dtype>-run2`): a second float32 run measures that
