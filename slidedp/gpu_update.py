@@ -312,18 +312,20 @@ def simulate_state_copy(b: "StepBuilder", r: int, per_elem: int, direction: str,
 
 def simulate_gpu_update(b: "StepBuilder", r: int, unit: int, deps) -> tuple[int, int]:
     """The step-time model's GpuUpdate.update of `unit` on rank r's GPU: (the update thread's
-    end of it, what the version gate waits for). Streamed (the embedding): its delivery source
-    goes home, which the update thread waits for, and the rest of its state after it. Resident:
-    the thread only issues it; the gate waits for it on the device."""
+    end of it, where the version gate opens; the update's kernel, which the unit's next use on
+    the GPU waits for). Streamed (the embedding): its delivery source goes home, which the
+    update thread waits for, and the rest of its state after it. Resident: the thread only
+    issues it; the next use waits for it on the device."""
     shard, shadow = b.spec.unit_elems[unit] // b.spec.world, b.spec.bf16_shadow
     resident = unit in b.spec.resident_units
     moments = b.spec.moments if resident and b.spec.moments == "bfloat16" else "float32"
     seconds = shard * GPU_ADAM_BYTES[moments] / (b.rates.hbm_gbs * 1e9)
+    # On the unit's update stream: beside the compute stream, sharing the GPU with it.
     if resident:
         issued = b.add(f"uthread:{r}", deps=deps, kind="issue")
-        return issued, b.add(f"gpu:{r}", work={f"gpu:{r}": seconds}, deps=[issued],
+        return issued, b.add(f"gstream:{r}", work={f"gpu:{r}": seconds}, deps=[issued],
                              kind="gpu update")
-    adam = b.add(f"gpu:{r}", work={f"gpu:{r}": seconds},
+    adam = b.add(f"gstream:{r}", work={f"gpu:{r}": seconds},
                  deps=[*deps, b.ranks[r].state_on_gpu], kind="gpu update")
     home = simulate_state_copy(b, r, 2 if shadow else 4, "d2h", [adam])
     simulate_state_copy(b, r, 12 if shadow else 8, "d2h", [home])  # the next prefetch waits

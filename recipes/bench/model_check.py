@@ -121,9 +121,10 @@ def predict(row: dict, rates: Rates) -> dict:
         work = Workload(rates, args, flavor=flavor, kernels=kernels, seq=cfg.training.seq_len)
         seconds = work.micro_batch([policy] * args.n_layers, cfg.training.local_batch_size).total
         return {"predicted_s": seconds, "regime": "compute", "why": "GPU work alone"}
+    # Rows without `sync` waited for the device after every step, as "step" does.
     plan = plan_run(run_config(cfg), args, flavor=flavor, kernels=kernels, world=row["world"],
-                    rates=rates,
-                    schedule=cfg.slidedp.runtime)
+                    rates=rates, schedule=cfg.slidedp.runtime,
+                    device_sync=row.get("sync", "step") == "step")
     step, seconds = plan.step, plan.step.step_s
     if plan.speculation is not None:  # the timed steps' mix of standing and redone updates
         redo = row.get("speculative_redo", 0.0)

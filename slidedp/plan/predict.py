@@ -88,10 +88,11 @@ def step_spec(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, 
               rates: Rates,
               policies: list[ActivationPolicy] | None = None,
               schedule: Schedule = "slidedp", nodes: int = 1,
-              link: Link | None = None) -> StepSpec:
+              link: Link | None = None, device_sync: bool = False) -> StepSpec:
     """The step the model simulates for `config` on `world` ranks of the machine of `rates`
     (on each of `nodes` nodes joined by `link`): with the routes and shadow of its runtime
-    style, as the engine runs them."""
+    style, as the engine runs them; `device_sync`: the loop waits for the device after each
+    step (StepSpec.device_sync)."""
     tr = config.training
     s = RUNTIME_STYLES[config.slidedp.runtime].configure(config.slidedp)
     policies = list(policies or policies_of(config, args))
@@ -114,7 +115,7 @@ def step_spec(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, 
         kernels=kernels, embedding_on_gpu=s.embedding_update == "gpu",
         resident_units=frozenset(u for u, resident in gpu_updated_units(s, args.n_layers).items() if resident),
         moments=host.moments, speculative="stands" if host.redo else "off", nodes=nodes,
-        link=link, sharded_nodes=sharded)
+        link=link, sharded_nodes=sharded, device_sync=device_sync)
 
 
 def state_plan(config: RunConfig) -> HostStatePlan:
@@ -128,11 +129,12 @@ def plan_run(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, w
              rates: Rates,
              policies: list[ActivationPolicy] | None = None,
              schedule: Schedule = "slidedp", simulate: bool = True, nodes: int = 1,
-             link: Link | None = None) -> RunPlan:
+             link: Link | None = None, device_sync: bool = False) -> RunPlan:
     """Memory and the predicted step of `config` (parallelism.mode = "slidedp") on `world`
     ranks of the machine of `rates`, on each of `nodes` nodes joined by `link` (memory is per
     node: each holds its replica, or its 1/N with slidedp.nodes_state = "sharded"). `policies` replace the configuration's per-block ones;
-    without `simulate`, the memory alone (for rates that cannot time the step)."""
+    without `simulate`, the memory alone (for rates that cannot time the step); `device_sync`:
+    as step_spec's."""
     if policies is not None:
         config = with_policies(config, policies)
     tr = config.training
@@ -149,7 +151,7 @@ def plan_run(config: RunConfig, args: ModelArgs, *, flavor: str, kernels: str, w
         config, args, world=world, kernels=kernels,
         block_bytes=(lambda p: work.activation_bytes(p, batch)[0] / tokens) if measured else None)
     spec = step_spec(config, args, flavor=flavor, kernels=kernels, world=world, rates=rates,
-                     schedule=schedule, nodes=nodes, link=link)
+                     schedule=schedule, nodes=nodes, link=link, device_sync=device_sync)
     speculation = None
     if simulate and spec.speculative != "off":
         speculation = Speculation(redone=simulate_step(replace(spec, speculative="redone"), rates),

@@ -74,6 +74,9 @@ class StepSpec:
     sharded_nodes: bool = False
     """The host state is sharded across the nodes (slidedp.nodes_state = "sharded"): every rank
     of every node owns a shard, and the collectives span the nodes."""
+    device_sync: bool = False
+    """The loop waits for the whole device after each step (the bench's `sync = "step"`): no
+    step's deferred updates on the GPU overlap the next step (those on the host still do)."""
 
     @property
     def waits_for_norm(self) -> bool:

@@ -85,7 +85,8 @@ class _Rank:
 
     release_gpu: dict[int, int] = field(default_factory=dict)  # buffer -> GPU task of last use
     release_host: dict[int, int] = field(default_factory=dict)  # buffer -> host task of last use
-    updated: dict[int, int] = field(default_factory=dict)  # unit -> task ending its last update
+    updated: dict[int, int] = field(default_factory=dict)  # unit -> its last update, as the gate sees it
+    on_device: dict[int, int] = field(default_factory=dict)  # unit -> its last GPU update's kernel
     returned: dict[int, int] = field(default_factory=dict)  # unit -> end of its last cpu-route job
     jobs: list[int] = field(default_factory=list)  # this step's update-thread job ends
     state_on_gpu: int | None = None  # the embedding's state copied to the GPU (embedding_on_gpu)
@@ -139,6 +140,7 @@ class StepBuilder:
         self.sim = Simulation(caps)
         self.ranks = [_Rank() for _ in range(R)]
         self.step = 0
+        self.on_device_after: list[int] = []  # this step's deferred updates on the GPUs
         # The block whose backward the embedding's state is prefetched at (none: on the host).
         self.prefetch_at = min(PREFETCH_AT_BLOCK, spec.n_blocks - 1) if spec.embedding_on_gpu else None
 
@@ -260,9 +262,10 @@ class StepBuilder:
         if not spec.waits_for_norm:
             return end, None
         # Every unit updated on the GPU: the norm is taken there and the updates are queued
-        # behind backward (engine: _norm_on_device), not after the host's step end.
+        # behind backward on the GPU (engine: _norm_on_device), once the compute thread has
+        # issued them, not after the host's step end.
         on_device = all(self.on_gpu(u) for u in range(len(spec.unit_elems)))
-        return end, self._deferred_updates(host if on_device else [end] * R)
+        return end, self._deferred_updates(gpu if on_device else [end] * R)
 
     def _owners(self, r: int) -> list[int]:
         """Ranks whose update of a unit rank r's delivery of it waits for."""
@@ -282,9 +285,11 @@ class StepBuilder:
                              kind="gate")
             release = rk.release_gpu.get(use.buffer)
             if use.unit in spec.resident_units and self.step > 0:  # from its GPU copy
-                # One rank computes from the copy in place; several copy their shard out of it.
+                # One rank computes from the copy in place; several copy their shard out of it,
+                # once its update's kernel is done.
                 seconds = 0.0 if R == 1 else 4 * size / (self.rates.hbm_gbs * 1e9)
-                arrival = self.add(f"dstream:{r}", deps=[issue, release],
+                kernels = [self.ranks[o].on_device.get(use.unit) for o in self._owners(r)]
+                arrival = self.add(f"dstream:{r}", deps=[issue, release, *kernels],
                                    work={f"gpu:{r}": seconds}, kind="d2d")
                 out.append((issue, arrival))
                 continue
@@ -332,14 +337,20 @@ class StepBuilder:
         return unit in self.spec.resident_units or (unit == 0 and self.spec.embedding_on_gpu)
 
     def gpu_update(self, r: int, unit: int, deps) -> tuple[int, int]:
-        """The unit's AdamW on rank r's GPU (slidedp/gpu_update.py's simulation of it)."""
-        return simulate_gpu_update(self, r, unit, deps)
+        """The unit's AdamW on rank r's GPU (slidedp/gpu_update.py's simulation of it): (the
+        update thread's end of it, its kernel). The version gate opens at the first (a resident
+        unit's update is issued there, the delivery thread goes on); the unit's next use on the
+        GPU waits for the second."""
+        end, ready = simulate_gpu_update(self, r, unit, deps)
+        self.ranks[r].updated[unit], self.ranks[r].on_device[unit] = end, ready
+        return end, ready
 
     def _deferred_updates(self, after: list[int]) -> list[int]:
         """After the norm (rank r's updates after task after[r]): every rank updates its shards
         unit by unit in forward order (the engine's _update_job); each unit's version is stored
         when it is done."""
         spec, ends = self.spec, []
+        self.on_device_after = []
         sole = self.style.sole_owner
         for r in [0] if sole else range(spec.world):
             prev = [after[r]]
@@ -349,12 +360,12 @@ class StepBuilder:
                 if self.on_gpu(unit):
                     end, ready = self.gpu_update(r, unit, prev)
                     prev = [end]
-                else:
-                    for n in chunks(spec.unit_elems[unit] if sole else spec.unit_elems[unit]
-                                    // self.owners, spec.chunk_elems):
-                        prev = [self.host_pass(r, n, kind="adam", deps=prev, grad="fp32")]
-                    ready = prev[0]
-                self.ranks[r].updated[unit] = ready
+                    self.on_device_after.append(ready)
+                    continue
+                for n in chunks(spec.unit_elems[unit] if sole else spec.unit_elems[unit]
+                                // self.owners, spec.chunk_elems):
+                    prev = [self.host_pass(r, n, kind="adam", deps=prev, grad="fp32")]
+                self.ranks[r].updated[unit] = prev[0]
             ends.append(prev[0])
         return ends
 
@@ -364,6 +375,9 @@ class StepBuilder:
         for step in range(SIMULATED_STEPS):
             self.step = step
             end, applies = self.build_step(end, applies)
+            if self.spec.device_sync and self.on_device_after:
+                end = self.add(tuple(f"host:{r}" for r in range(self.spec.world)),
+                               deps=[end, *self.on_device_after], kind="sync")
             ends.append(end)
         return ends
 

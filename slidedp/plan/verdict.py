@@ -75,7 +75,7 @@ def analyse(spec: StepSpec, sim: Simulation, t0: float, t1: float, *, last_step:
         return [(t.start, t.end) for t in tasks
                 if lane in t.lanes and (kinds is None or t.kind in kinds) and t.end > t.start]
 
-    gpu_busy = on("gpu:0")
+    gpu_busy = on("gpu:0") + on("gstream:0", ("gpu update",))  # GPU updates: their own stream
     idle = subtract([(t0, t1)], gpu_busy)
     exposed, left = {}, idle
     lanes0 = ("dstream:0", "ostream:0", "rstream:0", "uthread:0", "dthread:0", "gstream:0",

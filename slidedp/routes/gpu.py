@@ -67,11 +67,8 @@ class GpuReturn(GradientReturn):
         home = cls.home_elems(elems, b.owners)
         for r in range(R):
             if b.on_gpu(unit):  # the reduced shard waits on the GPU for its update
-                end, ready = (b.gpu_update(r, unit, [reduced[r]]) if update
-                              else (reduced[r], reduced[r]))
+                end = b.gpu_update(r, unit, [reduced[r]])[0] if update else reduced[r]
                 b.ranks[r].jobs.append(end)
-                if update:
-                    b.ranks[r].updated[unit] = ready
                 continue
             copies = [b.copy(f"rstream:{r}", r, 2 * n, "d2h", [reduced[r]], kind="d2h")
                       for n in chunks(home, spec.chunk_elems)]  # issued at once
