@@ -14,8 +14,9 @@ from recipes.bench.rows import read_rows, row_files
 
 POINT = ("mode", "label", "flavor", "route", "kernels", "ac", "activation_blocks", "keep_blocks",
          "slots", "embedding_update", "runtime", "world", "seq", "local_batch", "accum",
-         "max_norm")
-"""What names one measured point: its rows differ only in their launch."""
+         "max_norm", "sync")
+"""What names one measured point: its rows differ only in their launch (a row without `sync`
+waited for the device after every step)."""
 
 
 def points(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -48,8 +49,8 @@ def best_point(path: str, *, mode: str, label: str) -> str:
 
 def table(rows: list[dict]) -> str:
     """Markdown: one line per point, the headline (median of launches) and its spread."""
-    lines = ["| mode | label | flavor | kernels | activations | batch | embedding | clip | "
-             "launches | tokens/s median | min-max | MFU |", "|---" * 12 + "|"]
+    lines = ["| mode | label | flavor | kernels | activations | batch | embedding | clip | timed | "
+             "launches | tokens/s median | min-max | MFU |", "|---" * 13 + "|"]
     for key, group in points(rows).items():
         point, s = dict(zip(POINT, key)), summary(group)
         policy = ", ".join(filter(None, (point["ac"], point["activation_blocks"])))
@@ -58,7 +59,7 @@ def table(rows: list[dict]) -> str:
             f"| {point['mode']} | {point['label'] or ''} | {point['flavor']} | "
             f"{point['kernels']} | {policy} | "
             f"{point['local_batch']} | {point['embedding_update'] or ''} | {point['max_norm']} | "
-            f"{s['launches']} | {s['median']:,.0f} | {s['min']:,.0f}-{s['max']:,.0f} | {mfu} |")
+            f"{point['sync'] or 'step'} | {s['launches']} | {s['median']:,.0f} | {s['min']:,.0f}-{s['max']:,.0f} | {mfu} |")
     return "\n".join(lines)
 
 
