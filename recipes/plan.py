@@ -117,13 +117,20 @@ def link_for(job: Job, plan: Plan, *, nodes: int, link: str) -> Link | None:
 
 def split_flags(argv: list[str], parser: argparse.ArgumentParser
                 ) -> tuple[argparse.Namespace, list[str]]:
-    """Our options, and the configuration's flags (--section.key=value: a dot in the name) with
-    the TOML file. The flags are taken out first: argparse would read one whose value holds a
-    space as a positional argument."""
-    is_config = [a.startswith("--") and "." in a.partition("=")[0] for a in argv]
-    ours = parser.parse_args([a for a, c in zip(argv, is_config) if not c])
-    config_flags = [f"--job.config_file={ours.config}"] if ours.config else []
-    return ours, config_flags + [a for a, c in zip(argv, is_config) if c]
+    """Our options, and the configuration's flags (`--section.key=value`, or `--section.key
+    VALUE ...` as the trainer takes them: a dot in the name) with the TOML file (given first).
+    The flags are taken out first: argparse would read one whose value holds a space, or a
+    value after a space, as a positional argument."""
+    ours_args, config_flags, taking = [], [], False
+    for a in argv:
+        if a.startswith("--"):
+            taking = "." in a.partition("=")[0]
+            (config_flags if taking else ours_args).append(a)
+            taking = taking and "=" not in a  # its values follow it, up to the next flag
+        else:
+            (config_flags if taking else ours_args).append(a)
+    ours = parser.parse_args(ours_args)
+    return ours, [f"--job.config_file={ours.config}"] * bool(ours.config) + config_flags
 
 
 def main(argv: list[str]) -> int:

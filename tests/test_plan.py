@@ -2,6 +2,7 @@
 plans, the shipped rates files load, the policy file round-trips through the configuration, the
 probe's cache, and the model against recorded runs."""
 
+import argparse
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from recipes.bench.model_check import check
 from recipes.config import ConfigError, parse_config
-from recipes.plan import load_config, load_job
+from recipes.plan import load_config, load_job, split_flags
 from slidedp.activations import KEEP, block_policies, parse_policy
 from slidedp.plan.policy_file import policy_settings, write_policy_file
 from slidedp.plan.predict import plan_run
@@ -251,3 +252,19 @@ def test_search_takes_a_choice_that_fits_over_a_faster_configuration_that_does_n
     assert "the configuration searched from does not fit the search's budgets" in search
     assert "which stays the choice" not in search and "DOES NOT FIT" not in search
     assert "gpu_state_blocks = 36" not in (tmp_path / "p.toml").read_text()
+
+
+def test_the_planner_and_probe_take_config_flags_in_either_form():
+    """`--section.key=value` and `--section.key VALUE [VALUE ...]` (as the trainer and the bench
+    take them) both go to the configuration, with the TOML file first; the command's own
+    options, given either way, stay its own."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", nargs="?")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--refresh", action="store_true")
+    ours, flags = split_flags(["c.toml", "--model.flavor", "qwen3-1.7B", "--out", "r.json",
+                               "--bench.batches", "4", "8", "--training.seq_len=64 ",
+                               "--refresh"], parser)
+    assert (ours.config, ours.out, ours.refresh) == ("c.toml", "r.json", True)
+    assert flags == ["--job.config_file=c.toml", "--model.flavor", "qwen3-1.7B",
+                     "--bench.batches", "4", "8", "--training.seq_len=64 "]
