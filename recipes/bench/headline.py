@@ -59,7 +59,8 @@ def table(rows: list[dict]) -> str:
             f"| {point['mode']} | {point['label'] or ''} | {point['flavor']} | "
             f"{point['kernels']} | {policy} | "
             f"{point['local_batch']} | {point['embedding_update'] or ''} | {point['max_norm']} | "
-            f"{point['sync'] or 'step'} | {s['launches']} | {s['median']:,.0f} | {s['min']:,.0f}-{s['max']:,.0f} | {mfu} |")
+            f"{point['sync'] or 'step'} | {s['launches']} | {s['median']:,.0f} | "
+            f"{s['min']:,.0f}-{s['max']:,.0f} | {mfu} |")
     return "\n".join(lines)
 
 

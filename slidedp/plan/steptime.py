@@ -140,7 +140,6 @@ class StepBuilder:
         self.sim = Simulation(caps)
         self.ranks = [_Rank() for _ in range(R)]
         self.step = 0
-        self.on_device_after: list[int] = []  # this step's deferred updates on the GPUs
         # The block whose backward the embedding's state is prefetched at (none: on the host).
         self.prefetch_at = min(PREFETCH_AT_BLOCK, spec.n_blocks - 1) if spec.embedding_on_gpu else None
 
@@ -350,7 +349,6 @@ class StepBuilder:
         unit by unit in forward order (the engine's _update_job); each unit's version is stored
         when it is done."""
         spec, ends = self.spec, []
-        self.on_device_after = []
         sole = self.style.sole_owner
         for r in [0] if sole else range(spec.world):
             prev = [after[r]]
@@ -358,9 +356,7 @@ class StepBuilder:
             order = sorted(range(len(spec.unit_elems)), key=lambda u: not self.on_gpu(u))
             for unit in order:
                 if self.on_gpu(unit):
-                    end, ready = self.gpu_update(r, unit, prev)
-                    prev = [end]
-                    self.on_device_after.append(ready)
+                    prev = [self.gpu_update(r, unit, prev)[0]]
                     continue
                 for n in chunks(spec.unit_elems[unit] if sole else spec.unit_elems[unit]
                                 // self.owners, spec.chunk_elems):
@@ -375,9 +371,10 @@ class StepBuilder:
         for step in range(SIMULATED_STEPS):
             self.step = step
             end, applies = self.build_step(end, applies)
-            if self.spec.device_sync and self.on_device_after:
+            if self.spec.device_sync:  # the GPU updates' kernels too, not the host's updates
+                kernels = [t for rk in self.ranks for t in rk.on_device.values()]
                 end = self.add(tuple(f"host:{r}" for r in range(self.spec.world)),
-                               deps=[end, *self.on_device_after], kind="sync")
+                               deps=[end, *kernels], kind="sync")
             ends.append(end)
         return ends
 
