@@ -10,7 +10,7 @@ import pytest
 from protocols.model_spec import get_flavor
 from slidedp.activations import KEEP, RECOMPUTE
 from slidedp.gpu_update import GPU_ADAM_BYTES
-from slidedp.plan.rates import Machine, Rates, load_rates, timing_key
+from slidedp.plan.rates import BlockTiming, Machine, Rates, load_rates, timing_key
 from slidedp.plan.simulate import Simulation
 from slidedp.plan.step_spec import StepSpec
 from slidedp.plan.host_pass import ADAM_BYTES, BF16_MOMENTS_SAVE
@@ -71,6 +71,22 @@ def test_launches_longer_than_the_kernels_set_the_step():
     assert "launch" in bound.why and "more sequences per step" in bound.advice
 
 
+def test_a_head_that_waits_for_the_device_drains_the_queue():
+    """A head whose issue waits for the GPU (Liger's loss reads a count with `.item()`) is
+    issued once the forwards have run, and backward's first launch follows its run: that
+    launch is no longer hidden behind queued work."""
+    L, fwd, bwd, head, issue_f, issue_b = 4, 0.1, 0.2, 0.05, 0.01, 0.02
+
+    def step(syncs):
+        work = MicroBatchWork(0.0, 0.0, head, (fwd,) * L, (bwd,) * L, head_issue=head,
+                              head_syncs=syncs, block_issue=((issue_f, issue_b),) * L)
+        return simulate_step(spec(blocks=L, work=work), rates()).step_s
+
+    assert step(False) == pytest.approx(issue_f + L * (fwd + bwd) + head + STEP_EDGE_S, rel=1e-6)
+    assert step(True) == pytest.approx(issue_f + L * (fwd + bwd) + head + issue_b + STEP_EDGE_S,
+                                       rel=1e-6)
+
+
 def test_the_probe_s_issue_times_reach_the_step_by_kernels_and_policy():
     """Workload looks the issue times up by kernels and policy; a use not measured counts 0."""
     args = get_flavor("qwen3-debug")
@@ -80,6 +96,19 @@ def test_the_probe_s_issue_times_reach_the_step_by_kernels_and_policy():
         [KEEP, RECOMPUTE], 1)
     assert work.block_issue == ((0.003, 0.005), (0.0, 0.0))
     assert work.head_issue == 0.002 and work.embed_issue == (0.0, 0.0)
+    assert not work.head_syncs  # no head timing to compare the issue with
+
+
+def test_a_head_issued_in_about_its_run_is_taken_to_wait_for_the_device():
+    args = get_flavor("qwen3-debug")
+    timed = {"head@64": BlockTiming(forward_s=0.005, backward_s=0.0, batch=2)}  # 10 ms a run
+
+    def syncs(issue):
+        r = rates(issue_s={"torch/head": issue}, blocks=timed)
+        return Workload(r, args, flavor="qwen3-debug", kernels="torch", seq=64).micro_batch(
+            [KEEP], 1).head_syncs
+
+    assert syncs(0.0098) and not syncs(0.004)
 
 
 def test_host_bound_step_waits_for_the_serial_updates():

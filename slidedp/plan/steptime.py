@@ -52,7 +52,9 @@ a barrier around every chunk of the return.
 
 The compute thread issues a use's kernels in the host seconds the probe measured for it
 (Rates.issue_s, the same at any batch), and the GPU runs the use once it is issued: at few
-sequences a block's launches can outlast its kernels, and the GPU waits for the host.
+sequences a block's launches can outlast its kernels, and the GPU waits for the host. A head
+whose issue waits for the device (MicroBatchWork.head_syncs) is issued once the GPU's queue has
+drained, and the compute thread goes on once it has run.
 
 Not modelled: GPU kernels slowed by copies and collectives running beside them, the update
 thread's launches of the GPU updates (a few kernels per unit), GPU memory pressure.
@@ -226,10 +228,14 @@ class StepBuilder:
                 gpu_s, launch_s = spec.work.use_seconds(use.unit, use.phase)
                 issued = self._delivery(use, submit) if use.deliver else [(None, None)] * R
                 first = step_start if micro == 0 and k == 0 else None
+                # A use whose issue waits for the device is issued once the queue has drained.
+                # Its measured issue is its run (the launches overlap it): no launch time apart.
+                syncs = use.phase == "head" and spec.work.head_syncs
+                drained, launch_s = (gpu, 0.0) if syncs else ([None] * R, launch_s)
                 host, gpu = [], []
                 for r, rk in enumerate(self.ranks):
                     thread_done, arrival = issued[r]
-                    host.append(self.add(f"host:{r}", deps=[thread_done, first],
+                    host.append(self.add(f"host:{r}", deps=[thread_done, first, drained[r]],
                                          work={f"launch:{r}": launch_s},
                                          kind="launch"))
                     if use.phase == "bwd" and use.unit - 1 == self.prefetch_at:
@@ -241,6 +247,8 @@ class StepBuilder:
                     back = prefetched[r].get(use.unit) if use.phase == "bwd" else None
                     gpu.append(self.add(f"gpu:{r}", work={f"gpu:{r}": gpu_s},
                                         deps=[host[r], arrival, back], kind="compute"))
+                    if syncs:  # the host goes on once the use has run
+                        host[r] = self.add(f"host:{r}", deps=[gpu[r]], kind="sync")
                     if use.phase == "fwd" and use.unit != 0 and use.offload > 0:
                         offloaded[r][use.unit] = self.copy(
                             f"ostream:{r}", r, spec.offload_bytes[use.unit - 1], "d2h", [gpu[r]],

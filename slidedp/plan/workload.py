@@ -25,6 +25,9 @@ from slidedp.plan.rates import Rates, timing_key
 
 _ATTENTION_BACKWARD = 2.5
 """Attention's backward over its forward in FLOPs (5 half-size matmuls against 2)."""
+SYNC_SHARE = 0.9
+"""A use whose issue took at least this share of its run on the probe's device waited for the
+device while it was issued (its launches alone are far shorter than its kernels)."""
 
 
 def segment_flops(args: ModelArgs, seq: int) -> dict[str, float]:
@@ -79,6 +82,10 @@ class MicroBatchWork:
     """Host seconds to issue the embedding's forward and backward (Rates.issue_s)."""
     head_issue: float = 0.0
     """Host seconds to issue the head's forward and backward."""
+    head_syncs: bool = False
+    """The head's issue waits for the GPU (a host read of a device value, e.g. Liger's fused
+    loss counting its targets with `.item()`): the queue drains before it, and the host goes
+    on only once the head has run."""
     block_issue: tuple[tuple[float, float], ...] = ()
     """Per block, host seconds to issue its forward and backward (empty: none counted)."""
 
@@ -149,13 +156,19 @@ class Workload:
         """Host seconds to issue `what` once per micro-batch, at any batch (Rates.issue_s)."""
         return self.rates.issue(self.kernels, what)
 
+    def head_syncs(self) -> bool:
+        """Whether the head's issue waited for the device when the probe timed it."""
+        measured = self._measured("head")
+        return measured is not None and self.issue("head") >= SYNC_SHARE * (
+            measured.forward_s + measured.backward_s) * measured.batch > 0
+
     def micro_batch(self, policies: list[ActivationPolicy], batch: int) -> MicroBatchWork:
         per_block = [self.block(p, batch) for p in policies]
         return MicroBatchWork(*self.embed(batch), head=self.head(batch),
                               block_forward=tuple(f for f, _ in per_block),
                               block_backward=tuple(b for _, b in per_block),
                               embed_issue=(self.issue("embed/forward"), self.issue("embed/backward")),
-                              head_issue=self.issue("head"),
+                              head_issue=self.issue("head"), head_syncs=self.head_syncs(),
                               block_issue=tuple((self.issue(f"{_base_name(p)}/forward"),
                                                  self.issue(f"{_base_name(p)}/backward"))
                                                 for p in policies))
