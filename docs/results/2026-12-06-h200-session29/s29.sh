@@ -60,7 +60,7 @@ for stage in "$@"; do
     done
     python -m recipes.bench.headline "$OUT/old.jsonl" 2>&1 | tail -8 ;;
   fsdp2)
-    FS="--parallelism.mode fsdp2 --model.kernels liger --model.flavor qwen3-4B --training.max_norm 1.0
+    FS="--parallelism.mode fsdp2 --model.kernels liger --model.flavor $FLAVOR --training.max_norm 1.0
       --training.steps 3 --bench.out=$OUT/fsdp2.jsonl"
     log "fsdp2 sweep"
     run 60 . $FS --bench.label fsdp2-sweep --activation_checkpoint.mode none --bench.batches 2 4 5
