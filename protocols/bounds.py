@@ -2,7 +2,7 @@
 (`Annotated[int, at_least(1)]`; a list's on its item type) sit on the field, and a section that
 derives from `Checked` holds its values to them whenever it is built: from TOML, from tyro's
 command line, or in code.
-Both layers' config sections use it (recipes/config.py, slidedp/config.py)."""
+Both layers' config sections use it (recipes/job_config.py, slidedp/config.py)."""
 
 import math
 import types

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from models.kernels import resolve_kernels
-from recipes.config import ConfigError, JobConfig, Plan, parse_config, resolve_model, run_config
+from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, run_config
+from recipes.job_config import Plan
 from recipes.preflight import device_memory
 from slidedp.nodes import check_nodes_reduction
 from slidedp.peer_styles import RUNTIME_STYLES

@@ -1,7 +1,7 @@
 """What slidedp/ reads of a run's configuration, typed: the [slidedp] section and the few
 training, optimizer and model fields the runtime and its planner use. The recipes declare their
-sections on these (recipes/config.py) and build a RunConfig once from their JobConfig
-(`run_config`); nothing in slidedp/ reads the recipes' JobConfig."""
+sections on these (recipes/job_config.py) and build a RunConfig once from their JobConfig
+(recipes/config.py's `run_config`); nothing in slidedp/ reads the recipes' JobConfig."""
 
 from dataclasses import dataclass, field
 from typing import Annotated, Literal

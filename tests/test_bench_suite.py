@@ -17,6 +17,8 @@ import pytest
 
 from recipes.bench import suite
 from recipes.bench.config import BenchConfig, check, mode
+from recipes.bench.suite_file import SUITES, SuiteError, load_suite, parse_sets
+from recipes.bench.suite_runner import BENCH
 from recipes.config import ConfigError, parse_config
 from tests.conftest import REPO, subprocess_env
 
@@ -160,7 +162,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-SHIPPED = sorted(p.stem for p in suite.SUITES.glob("*.toml"))
+SHIPPED = sorted(p.stem for p in SUITES.glob("*.toml"))
 
 
 def test_every_shipped_suite_parses_and_prints_its_commands(tmp_path):
@@ -199,7 +201,7 @@ def test_every_bench_launch_of_every_shipped_suite_parses_with_the_benchs_parser
     sets = ["--set", "predicted=predicted.jsonl", "--set", "ds_wheels=/wheels"]
     assert suite.main([str(tmp_path / "out"), *SHIPPED, "--dry-run", "--ngpu", "8", *sets]) == 0
     lines = [line.partition("   # limit")[0] for line in capsys.readouterr().out.splitlines()
-             if suite.BENCH in line]
+             if BENCH in line]
     assert len(lines) > 100
     deepspeed = importlib.util.find_spec("deepspeed") is not None
     modes = set()
@@ -207,7 +209,7 @@ def test_every_bench_launch_of_every_shipped_suite_parses_with_the_benchs_parser
         cmd = shlex.split(line)
         ranks = [int(a.partition("=")[2]) for a in cmd if a.startswith("--nproc_per_node=")]
         # A peak's relaunch names its point by a placeholder until the sweep has run.
-        flags = [*(a for a in cmd[cmd.index(suite.BENCH) + 1:] if not a.startswith("<")),
+        flags = [*(a for a in cmd[cmd.index(BENCH) + 1:] if not a.startswith("<")),
                  "--model.kernels=torch"]
         try:
             config = parse_config(flags, BenchConfig)
@@ -227,17 +229,17 @@ def test_every_bench_launch_of_every_shipped_suite_parses_with_the_benchs_parser
 ])
 def test_a_suite_that_cannot_run_as_written_is_refused_before_anything_runs(tmp_path, text, error):
     bad = _suite(tmp_path / "bad.toml", text)
-    with pytest.raises(suite.SuiteError, match=error.replace("$", r"\$").replace("{", r"\{")):
-        suite.load_suite(str(bad), {}, {"out": "o", "repo": REPO, "ngpu": 1})
+    with pytest.raises(SuiteError, match=error.replace("$", r"\$").replace("{", r"\{")):
+        load_suite(str(bad), {}, {"out": "o", "repo": REPO, "ngpu": 1})
 
 
 def test_set_overrides_a_suites_variables_and_its_deadline():
-    sets = suite.parse_sets(["weak_scaling_32b.gpus=[8, 4]", "seconds=100", "predicted=p.jsonl"])
+    sets = parse_sets(["weak_scaling_32b.gpus=[8, 4]", "seconds=100", "predicted=p.jsonl"])
     builtins = {"out": "o", "repo": REPO, "ngpu": 8}
-    weak = suite.load_suite("weak_scaling_32b", sets, builtins)
+    weak = load_suite("weak_scaling_32b", sets, builtins)
     assert weak.workloads[0]["ngpu"] == [8, 4] and weak.seconds == 100
-    assert suite.load_suite("cast_copy", sets, builtins).workloads[0]["ngpu"] == [1, 2, 4, 8]
-    long = suite.load_suite("long_context", suite.parse_sets(["flavor=qwen3-4B"]), builtins)
+    assert load_suite("cast_copy", sets, builtins).workloads[0]["ngpu"] == [1, 2, 4, 8]
+    long = load_suite("long_context", parse_sets(["flavor=qwen3-4B"]), builtins)
     assert "--out o/attention_qwen3-4B_262k.jsonl" in long.workloads[0]["flags"]
 
 

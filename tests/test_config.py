@@ -11,10 +11,10 @@ import pytest
 from models.hf_checkpoint import save_hf_checkpoint
 from protocols.model_spec import get_flavor
 from protocols.bounds import FieldError
-from recipes.config import (ConfigError, JobConfig, Optimizer, Training, parse_config,
-                            resolve_model, run_config)
+from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, run_config
+from recipes.job_config import Training
 from slidedp.config import SlideDPConfig
-from slidedp.run_config import RunConfig, RunModel, RunTraining
+from slidedp.run_config import Optimizer, RunConfig, RunModel, RunTraining
 from recipes.lr_schedule import LRSchedule
 from recipes.model import build_model
 from tests.conftest import REPO, subprocess_env

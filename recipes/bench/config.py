@@ -12,8 +12,8 @@ from typing import Annotated, Literal, NamedTuple, cast, get_args
 
 from protocols.bounds import Checked, at_least
 from protocols.model_spec import ModelArgs
-from recipes.config import (ActivationCheckpoint, ConfigError, JobConfig, Model, Training,
-                            parse_config, resolve_model)
+from recipes.config import ConfigError, JobConfig, parse_config, resolve_model
+from recipes.job_config import ActivationCheckpoint, Model, Training
 from recipes.preflight import check_mode_options, check_seq_len
 from slidedp.activations import block_policies
 from slidedp.config import DeliveryRoute, EmbeddingUpdate, ReductionRoute

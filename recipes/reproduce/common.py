@@ -178,8 +178,8 @@ class Runner:
     def env(self, nproc: int) -> dict[str, str]:
         cores = len(os.sched_getaffinity(0))
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        # As run_train.sh and recipes/bench/suite.py: each rank's share of the cores, and NVLink
-        # multicast off.
+        # As run_train.sh and recipes/bench/suite_runner.py: each rank's share of the cores, and
+        # NVLink multicast off.
         return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1",
                     OMP_NUM_THREADS=str(max(1, cores // nproc)), NCCL_NVLS_ENABLE="0",
                     TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
