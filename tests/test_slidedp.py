@@ -419,42 +419,6 @@ def test_one_rank_computes_from_resident_units_in_place(tmp_path):
     assert_matches_reference(results, ref_losses, ref_weights)
 
 
-def test_with_the_norm_on_the_device_the_compute_thread_issues_every_update():
-    """Every unit updated on the GPU, clipped: the norm is taken there, and the thread that runs
-    the step issues every unit's update itself, in the next step's use order, before the step
-    returns, with every version gate open by then; nothing is left to the update thread."""
-    import threading
-
-    from slidedp.engine import SlideDPBackend
-    from slidedp.gpu_update import GpuUpdate
-
-    args = get_flavor("qwen3-debug")
-    config = make_config({**_RESIDENT, "gpu_state_blocks": args.n_layers}, accum=1,
-                         max_norm=0.05)
-    backend = SlideDPBackend(run_config(config), args, device=torch.device("cpu"), dp_rank=0,
-                             dp_world=1)
-    issued: list[tuple[int, str]] = []
-    update = GpuUpdate.update
-
-    def recorded(self, *a, **kw):
-        issued.append((self.unit.index, threading.current_thread().name))
-        return update(self, *a, **kw)
-
-    x = torch.randint(0, args.vocab_size, (2, 16))
-    try:
-        GpuUpdate.update = recorded
-        for step in (1, 2):
-            issued.clear()
-            backend.train_step([(x, x)], lr=1e-3, global_target_tokens=x.numel())
-            n_units = len(backend.layout.units)
-            assert issued == [(u, threading.current_thread().name) for u in range(n_units)]
-            assert backend.flow.norm_on_device and not backend.flow.pending
-            assert (backend.state.version[:, 0] == step).all(), backend.state.version
-    finally:
-        GpuUpdate.update = update
-        backend.close()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")
 @pytest.mark.parametrize("max_norm", [0.0, 0.05])
 def test_one_gpu_embedding_updated_on_the_device(tmp_path, max_norm):
