@@ -177,13 +177,13 @@ class GradientFlow:
         that waited for them queued."""
         device_totals = None
         if self.norm_on_device:
-            # Every update reads its gradient on the GPU: they are issued now, behind backward,
+            # Every update reads its gradient on the GPU: they are queued now, behind backward,
             # scaled and skipped there as the step's norm says, while the host waits below.
             self.wait_returns()  # every unit's norm is issued
             device_totals, scale = device_clip(
                 self.route.take_device_normsq(), loss, max_norm=max_norm, guard=guard,
                 group=groups.reduce, cross=groups.cross, streams=self.streams)
-            self._issue_gpu_updates(scale)
+            self.queue_updates(scale, skip=False)
         # What the step waits for after the GPUs finish its compute: its gradients coming home
         # (and on the cpu route without deferral their updates, which take the norm).
         Streams.synchronize(self.streams.record())
@@ -204,15 +204,6 @@ class GradientFlow:
             self.queue_updates(coef, skip=skipped)
         return Settled(grad_norm=grad_norm, loss_sum=loss_sum, skipped=skipped, coef=coef,
                        update_wait_s=t_returned - t_compute)
-
-    def _issue_gpu_updates(self, scale: GradScale) -> None:
-        """Every unit's update, issued here on the compute thread in the next step's use order
-        (a few launches each), and each version gate opened. Handed to the update thread one
-        job at a time, the launches took turns with the next forward's under the GIL, and the
-        forward waited for each block's update in turn."""
-        for unit in self.units:
-            self._update_on_gpu(self.route, self._returned[unit.index].result(), coef=scale,
-                                step=self._step)
 
     def queue_updates(self, coef: float | GradScale, *, skip: bool) -> None:
         """The step's updates that waited for its norm, scaled by `coef` (a skipped step's

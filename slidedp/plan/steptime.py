@@ -30,8 +30,7 @@ GPU updates it when the update is due (at once, or first after the norm), the de
 goes home, which the update thread waits for and which opens the version gate, and the rest of
 the state follows on the same stream. Units whose state is resident on the GPU (slidedp.gpu_state_blocks,
 embedding_update = "resident") are updated there too, first after the norm, but nothing goes
-home: the update is only issued (by the update thread; all of them at once after the norm, by
-the compute thread, when every unit is), the version gate waits for it on the device,
+home: the update thread only issues the update, the version gate waits for it on the device,
 and the unit's delivery is a copy on the GPU from its BF16 copy (the first simulated step, before
 the state is there, delivers from the host). When every unit is updated there, the updates follow
 the compute thread's last issue and backward on the GPU, not the host's step end (the norm is

@@ -3,10 +3,8 @@
 # resident on the GPU, `keep`, `next_use`. Stages, run in the order given:
 #   check  the correctness stage (tests/test_gpu_options.py -k "base or resident"); a failure
 #          stops the script before anything is measured
-#   issue  the compute thread issuing every GPU update after the norm (this tree) against the
-#          update thread issuing them one job at a time (.prev = git archive of the commit
-#          before), and the no-recompute reference at REF_SEQS; all timed `window`, interleaved,
-#          LAUNCHES each; SlideDP at SEQS sequences
+#   ref    SlideDP at SEQS sequences and the no-recompute reference at REF_SEQS, both timed
+#          `window` (as the training loop runs), interleaved, LAUNCHES each: issue 28's ratio
 #   old    issue 26's before/after: this tree against .old (git archive 2ccb66f, its bench's
 #          old flag names), both timed as the old bench times (`step`), interleaved
 #   fsdp2  FSDP2's peak at clipping 1.0, as recipes/bench/suites/fsdp2_peak_4b.toml takes it:
@@ -46,13 +44,12 @@ for stage in "$@"; do
       echo "correctness stage failed: nothing measured"; tail -30 "$OUT/correctness.log"; exit 1
     fi
     tail -2 "$OUT/correctness.log" ;;
-  issue)
+  ref)
     for i in $(seq 1 "$LAUNCHES"); do
-      log "issue: after $i"; run 90 . --bench.out="$OUT/issue.jsonl" $NEW --bench.label after --bench.launch=$i
-      log "issue: before $i"; run 90 .prev --bench.out="$OUT/issue.jsonl" $NEW --bench.label before --bench.launch=$i
-      log "issue: reference $i"; run 45 . --bench.out="$OUT/issue.jsonl" $REF --bench.label reference --bench.launch=$i
+      log "ref: slidedp $i"; run 90 . --bench.out="$OUT/ref.jsonl" $NEW --bench.label resident-all --bench.launch=$i
+      log "ref: reference $i"; run 45 . --bench.out="$OUT/ref.jsonl" $REF --bench.label reference --bench.launch=$i
     done
-    python -m recipes.bench.headline "$OUT/issue.jsonl" 2>&1 | tail -12 ;;
+    python -m recipes.bench.headline "$OUT/ref.jsonl" 2>&1 | tail -12 ;;
   old)
     for i in $(seq 1 "$LAUNCHES"); do
       log "old: after $i"; run 90 . --bench.out="$OUT/old.jsonl" $NEW --bench.sync step --bench.label after-step --bench.launch=$i
