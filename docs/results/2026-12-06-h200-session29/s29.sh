@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=$(nproc)
 [ -f "$OUT/host.txt" ] || (nvidia-smi; nproc; lscpu | grep 'Model name'; free -g;
   python -c "import torch; print(torch.__version__)") > "$OUT/host.txt" 2>&1
 log() { echo "=== $* $(date +%T)" | tee -a "$OUT/launches.log"; }
-run() {  # LIMIT DIR ARGS...: one launch of the bench from DIR (. or .prev or .old)
+run() {  # LIMIT DIR ARGS...: one launch of the bench from DIR (. or .old)
   local limit=$1 dir=$2; shift 2
   (cd "$dir" && PYTHONPATH=.:${PYTHONPATH:-} timeout "$limit" python -m recipes.bench.throughput "$@") \
     >> "$OUT/launches.log" 2>&1
