@@ -23,6 +23,7 @@ from slidedp.plan.ilp import Choice, Option, feasible, objective, solve
 from slidedp.plan.policy_file import POLICY_FILE_NAME
 from slidedp.plan.rates import BlockTiming, load_rates, model_key, timing_key
 from slidedp.plan.report import kernels_for
+from slidedp.plan.workload import Workload
 from tests.conftest import run_torchrun, subprocess_env
 
 RESOURCES = ("gpu compute", "cpu update", "h2d per GPU", "d2h per GPU")
@@ -127,6 +128,19 @@ def qwen3_8b(*, selective_vs_recompute: float) -> Model:
               timing_key("keep", seq): replace(recompute, backward_s=2 * recompute.forward_s)}
     rates = rates.with_model(model_key(args, kernels), blocks, {})
     return Model(config, args, flavor, kernels, 1, rates)
+
+
+def test_a_probes_block_timings_time_only_the_model_it_ran():
+    """The rates carry Qwen3-8B's measured blocks: they time the 8B, while Qwen3-4B (another
+    model key) is timed from its FLOPs, not from the 8B's blocks."""
+    model = qwen3_8b(selective_vs_recompute=1.0)
+    seq = model.config.training.seq_len
+    assert model.work.block(RECOMPUTE, 8) == (3.76e-3 * 8, 7.53e-3 * 8)
+    (flavor, args) = resolve_model(parse_config(["--model.flavor=qwen3-4B"]))
+    other = Workload(model.rates, args, flavor=flavor, kernels=model.kernels, seq=seq)
+    forward, backward = other.block(RECOMPUTE, 8)
+    assert forward != 3.76e-3 * 8 and backward > 2 * forward
+    assert other.cost(RECOMPUTE) is None
 
 
 def test_the_screen_keeps_a_candidate_within_its_tolerance_and_drops_a_dominated_one():

@@ -21,7 +21,7 @@ from itertools import groupby
 from protocols.model_spec import ModelArgs, spec_of
 from slidedp.activations import ActivationPolicy, BlockCost, SavedOps, SegmentMask
 from slidedp.plan.memory import activation_bytes, rebuilt_bytes
-from slidedp.plan.rates import Rates, timing_key
+from slidedp.plan.rates import Rates, model_key, timing_key
 
 _ATTENTION_BACKWARD = 2.5
 """Attention's backward over its forward in FLOPs (5 half-size matmuls against 2)."""
@@ -112,12 +112,15 @@ class Workload:
 
     def __init__(self, rates: Rates, args: ModelArgs, *, flavor: str, kernels: str, seq: int):
         self.rates, self.args, self.flavor, self.kernels, self.seq = rates, args, flavor, kernels, seq
+        # A probe's timings and costs are of the model it ran (`rates.model`); another model's
+        # blocks would pass for this one's, so they count only where the model is the same.
+        self.own_timings = rates.model in ("", model_key(args, kernels, rates.compute_dtype))
 
     def _flop_seconds(self, flops_per_token: float, tokens: int) -> float:
         return flops_per_token * tokens / (self.rates.tflops(self.flavor, self.kernels) * 1e12)
 
     def _measured(self, what: str):
-        return self.rates.blocks.get(timing_key(what, self.seq))
+        return self.rates.blocks.get(timing_key(what, self.seq)) if self.own_timings else None
 
     def block(self, policy: ActivationPolicy, batch: int) -> tuple[float, float]:
         """(forward, backward) seconds of one block under `policy` for `batch` sequences (the
@@ -178,7 +181,7 @@ class Workload:
     def cost(self, policy: ActivationPolicy) -> BlockCost | None:
         """The measured cost of `policy` (offload fraction included) at this sequence length,
         if the probe took it."""
-        return self.rates.costs.get(timing_key(policy.name, self.seq))
+        return self.rates.costs.get(timing_key(policy.name, self.seq)) if self.own_timings else None
 
     def has_measured_bytes(self, policy: ActivationPolicy) -> bool:
         return self.cost(policy) is not None
