@@ -114,7 +114,7 @@ def _check_hf_dir(hf_dir: str, args: ModelArgs) -> None:
 def load_checked_tokenizer(config: JobConfig, args: ModelArgs):
     """The data's tokenizer and EOS id; one line if it is missing, unreadable or larger than the
     model's vocabulary."""
-    from recipes.data import load_tokenizer  # tokenizers only for files
+    from recipes.tokenizer import load_tokenizer  # tokenizers only for files
 
     key = "model.tokenizer_dir" if config.model.tokenizer_dir else "model.hf_dir"
     directory = config.model.tokenizer_dir or config.model.hf_dir
@@ -129,12 +129,12 @@ def load_checked_tokenizer(config: JobConfig, args: ModelArgs):
 
 
 def data_error(e: Exception) -> ConfigError:
-    """A recipes.data.DataError as the one-line error naming the key."""
+    """A recipes.documents.DataError as the one-line error naming the key."""
     return ConfigError(f"training.dataset_path: {e}")
 
 
 def _check_data(config: JobConfig, *, thorough: bool) -> None:
-    from recipes.data import DataError, read_documents, resolve_data_files
+    from recipes.documents import DataError, read_documents, resolve_data_files
 
     try:
         resolve_data_files(config.training.dataset_path)  # exist, supported, not empty

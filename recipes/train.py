@@ -100,7 +100,8 @@ def build_batches(config: JobConfig, args: ModelArgs, *, dp_rank: int,
                  dp_rank=dp_rank, dp_world=dp_world, seed=training.seed)
     if training.dataset == "synthetic":
         return SyntheticBatches(vocab_size=args.vocab_size, **shape)
-    from recipes.data import DataError, PackedDataLoader  # tokenizers/pyarrow only for files
+    from recipes.data import PackedDataLoader  # tokenizers/pyarrow only for files
+    from recipes.documents import DataError
 
     tokenizer, eos_id = load_checked_tokenizer(config, args)
     try:

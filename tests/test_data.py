@@ -1,4 +1,5 @@
-"""recipes/data.py: sources, chat masks, packing, sharding, determinism, resume, errors, assets."""
+"""recipes/data.py, documents.py and tokenizer.py: sources, chat masks, packing, sharding,
+determinism, resume, errors, assets."""
 
 import importlib.util
 import itertools
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 from models.loss import IGNORE_INDEX
-from recipes.data import (DataError, PackedDataLoader, epoch_permutation, load_tokenizer,
-                          read_documents, record_document, tokenize_corpus)
+from recipes.data import PackedDataLoader, epoch_permutation, tokenize_corpus
+from recipes.documents import DataError, read_documents, record_document
+from recipes.tokenizer import load_tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 TINY = ASSETS / "tiny"

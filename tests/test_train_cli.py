@@ -15,7 +15,8 @@ import torch
 from models.hf_checkpoint import load_hf_into_model, match_flavor, read_hf_config
 from models.loss import chunked_cross_entropy_sum
 from protocols.model_spec import spec_of
-from recipes.data import PackedDataLoader, load_tokenizer
+from recipes.data import PackedDataLoader
+from recipes.tokenizer import load_tokenizer
 from tests.conftest import REPO, run_torchrun
 
 STEPS = 40
