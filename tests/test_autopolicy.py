@@ -18,7 +18,8 @@ from recipes.config import parse_config, resolve_model, run_config
 from slidedp.activations import KEEP, RECOMPUTE, parse_policy
 from slidedp.plan import live
 from slidedp.plan.live import _Meter
-from slidedp.plan.search import Model, budgets, build_program, calibrate, screen, setting_of
+from slidedp.plan.search import (Model, Setting, assign, budgets, build_program, calibrate, screen,
+                                 setting_of, solve_modelled)
 from slidedp.plan.ilp import Choice, Option, feasible, objective, solve
 from slidedp.plan.policy_file import POLICY_FILE_NAME
 from slidedp.plan.rates import BlockTiming, load_rates, model_key, timing_key
@@ -141,6 +142,38 @@ def test_a_probes_block_timings_time_only_the_model_it_ran():
     forward, backward = other.block(RECOMPUTE, 8)
     assert forward != 3.76e-3 * 8 and backward > 2 * forward
     assert other.cost(RECOMPUTE) is None
+
+
+def test_the_offline_search_prices_what_the_schedule_exposes_of_an_offload():
+    """Qwen3-8B at 3 sequences with BF16 moments: all 36 blocks' optimizer state resident leaves
+    room for activations only offloaded, whose copies back at the turn to backward the demands
+    do not show; 27 resident leave room to keep every matmul. The program alone takes the
+    offload (it prices it at the GPU's time); priced by the schedule, the 27 with no offload,
+    which the simulation has faster."""
+    parsed = parse_config(["--job.config_file=train_configs/h200_qwen3_8b_slidedp.toml",
+                           "--training.max_norm=1.0", "--slidedp.moments_dtype=bfloat16",
+                           "--training.local_batch_size=3"])
+    (flavor, args), config = resolve_model(parsed), run_config(parsed)
+    rates = load_rates("h200")
+    model = Model(config, args, flavor, kernels_for(config, rates), 1, rates)
+    base = setting_of(config)
+    settings = [replace(base, reduction="gpu", bf16_shadow=True, gpu_state_blocks=n,
+                        embedding_update="resident") for n in (36, 27)]
+    candidates = [parse_policy(p) for p in ("keep@offload=1.0", "ops(matmul+attention)",
+                                            "ops(matmul+attention)@offload=1.0")]
+    options, choices, rebuild = build_program(model, settings, candidates)
+    gpu, host = budgets(model)
+    kw = dict(gpu_budget=gpu, host_budget=host, rebuild_bytes=rebuild)
+    alone = solve(options, choices, blocks=args.n_layers, ranks=1, **kw)
+    priced = solve_modelled(model, options, choices, **kw)
+    assert alone.option.settings["gpu_state_blocks"] == 36
+    assert priced.option.settings["gpu_state_blocks"] == 27
+    assert priced.counts == {"ops(matmul+attention)": args.n_layers}
+
+    def simulated(found):
+        return model.step_s(Setting(**found.option.settings), assign(found, args.n_layers))
+
+    assert simulated(priced) < 0.85 * simulated(alone)
 
 
 def test_the_screen_keeps_a_candidate_within_its_tolerance_and_drops_a_dominated_one():

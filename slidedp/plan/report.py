@@ -10,7 +10,6 @@ from typing import get_args
 
 from protocols.model_spec import ModelArgs
 from slidedp.activations import KEEP, RECOMPUTE, format_blocks
-from slidedp.plan.ilp import solve
 from slidedp.plan.link import Link
 from slidedp.plan.memory import REFUSE_ABOVE, MemoryEstimate
 from slidedp.peer_styles import RUNTIME_STYLES
@@ -19,7 +18,7 @@ from slidedp.plan.predict import RunPlan, compute_dtype, plan_run, policies_of
 from slidedp.plan.rates import MissingRate, Rates
 from slidedp.plan.search import (GPU_BUDGET_FRACTION, HOST_BUDGET_FRACTION, Model, Setting,
                                   assign, budgets, build_program, candidates_of, resident_levels,
-                                  runs, screen, setting_of)
+                                  runs, screen, setting_of, solve_modelled)
 from slidedp.plan.step_spec import Schedule
 from slidedp.plan.workload import Workload
 from slidedp.routes.build import searched_routes
@@ -229,8 +228,8 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
     candidates = screen(model, [*candidates_of(config), *policies_of(config, args)])
     options, choices, rebuild = build_program(model, settings, candidates)
     gpu_budget, host_budget = budgets(model)
-    found = solve(options, choices, blocks=args.n_layers, ranks=world, gpu_budget=gpu_budget,
-                  host_budget=host_budget, rebuild_bytes=rebuild)
+    found = solve_modelled(model, options, choices, gpu_budget=gpu_budget,
+                           host_budget=host_budget, rebuild_bytes=rebuild)
     if found is None:
         return [f"search: no configuration fits the {rates.machine.device_word} and host memory "
                 "budgets"]

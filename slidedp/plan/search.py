@@ -9,7 +9,9 @@ policies of a run, chosen by the step-time model (Model), with what measuring ad
      measured beyond the model, per block changed and whatever its sign, is the program's cost
      of a block under it;
   build_program, solve (slidedp/plan/ilp.py): the integer program over the settings and the
-     candidates under the GPU and host memory budgets.
+     candidates under the GPU and host memory budgets;
+  solve_modelled: the offline search's solve, each candidate priced by what the simulated
+     schedule exposes of it under the option chosen (live, the calibration measures that).
 
 The live run of it, which measures, is slidedp/plan/live.py; the offline one (`python -m
 recipes.plan CONFIG --search`), from the model alone, is slidedp/plan/report.py's
@@ -17,14 +19,14 @@ search_offline.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from protocols.model_spec import ModelArgs
 from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policies, parse_policy
 from slidedp.gpu_update import check_gpu_updates
 from slidedp.host_state import host_state_bytes
 from slidedp.layout import StateLayout
-from slidedp.plan.ilp import Assignment, Choice, Option
+from slidedp.plan.ilp import Assignment, Choice, Option, solve
 from slidedp.plan.memory import estimate_device_memory
 from slidedp.plan.policy_file import parse_candidates
 from slidedp.plan.predict import state_plan, step_spec, with_slidedp
@@ -48,6 +50,8 @@ GPU_BUDGET_FRACTION = 0.9
 """Of the device's memory, what the program may fill (the estimate is within -2%..+23%)."""
 HOST_BUDGET_FRACTION = 0.9
 """Of the host's memory (MemAvailable when live), what the program may fill."""
+REFINE_ROUNDS = 3
+"""Most rounds of solve_modelled: each re-prices the choices under the option last chosen."""
 SCREEN_TOLERANCE = 0.03
 """How much faster a probed block must be (relatively) to drop a candidate: the probe's noise
 (a median of 3 repetitions, often at fewer sequences than the run's, that put two policies 1%
@@ -207,6 +211,45 @@ def build_program(model: Model, settings: list[Setting], candidates: list[Activa
     # soon as one rebuilds), so the program is never short of what the estimate counts.
     rebuild = max((work.rebuilt_bytes(p, batch) for p in candidates if p != KEEP), default=0)
     return options, choices, rebuild
+
+
+def modelled_residuals(model: Model, setting: Setting,
+                       choices: list[Choice]) -> dict[str, float]:
+    """Per block, what the schedule exposes of each choice beyond its demands under `setting`:
+    the simulated step less its largest demand with every block under the choice, less the same
+    with every block under recompute, over the blocks (at least 0). An offload's copies back
+    at the turn to backward cannot overlap anything, which no demand shows; AutoPolicy live
+    measures this (calibrate), the offline search takes it from the model."""
+    L = model.args.n_layers
+
+    def exposed(policy: ActivationPolicy) -> float:
+        step = simulate_step(model.spec(setting, [policy] * L), model.rates)
+        return step.step_s - step.bound_s
+
+    ref = exposed(RECOMPUTE)
+    return {c.name: max(0.0, exposed(parse_policy(c.name)) - ref) / L for c in choices}
+
+
+def solve_modelled(model: Model, options: list[Option], choices: list[Choice], *,
+                   gpu_budget: float, host_budget: float, rebuild_bytes: float
+                   ) -> Assignment | None:
+    """The program solved with each choice's modelled residual (modelled_residuals) under the
+    option of the previous solution, until the option repeats (at most REFINE_ROUNDS): the
+    residual depends on the option (a host-bound one hides an offload that a GPU-bound one
+    exposes), and the program weighs one option's at a time."""
+    found = solve(options, choices, blocks=model.args.n_layers, ranks=model.world,
+                  gpu_budget=gpu_budget, host_budget=host_budget, rebuild_bytes=rebuild_bytes)
+    for _ in range(REFINE_ROUNDS):
+        if found is None:
+            return None
+        residual = modelled_residuals(model, Setting(**found.option.settings), choices)
+        priced = [replace(c, residual=residual[c.name]) for c in choices]
+        again = solve(options, priced, blocks=model.args.n_layers, ranks=model.world,
+                      gpu_budget=gpu_budget, host_budget=host_budget, rebuild_bytes=rebuild_bytes)
+        if again is None or again.option.name == found.option.name:
+            return again or found
+        found = again
+    return found
 
 
 def assign(assignment: Assignment, n_blocks: int) -> list[ActivationPolicy]:
