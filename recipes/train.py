@@ -16,185 +16,29 @@ Ctrl-C stops every rank after the same step, with a save: one line, exit code 13
 import logging
 import os
 import sys
-import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from models.loss import IGNORE_INDEX
-from protocols.backend import Batch, StepResult, TrainBackend
 from protocols.model_spec import ModelArgs, spec_of
-from recipes.checkpoint import TRAIN_STATE, CheckpointSaver, HFExport, read_meta, remove_saves
+from recipes.batches import build_batches
+from recipes.checkpoint import CheckpointSaver, read_meta, remove_saves
 from recipes.config import ConfigError, JobConfig, parse_config, run_config
-from recipes.interrupt import EXIT_CODE, catch_interrupt, interrupt_requested, stopped_line
+from recipes.interrupt import EXIT_CODE, catch_interrupt, stopped_line
 from recipes.liveness import exit_with_launcher, watching_peers
-from recipes.lr_schedule import LRSchedule
+from recipes.loop import build_lr_schedule, train_steps
 from recipes.metrics import MetricsLogger, gpu_name, memory, new_run_name, throughput
 from recipes.nonfinite import NonFinitePolicy, NonFiniteStop
 from recipes.model import build_kernels
 from recipes.parallelize import build_backend
-from recipes.preflight import (CheckedRun, check_no_earlier_run, check_run, data_error,
-                               load_checked_tokenizer)
+from recipes.preflight import CheckedRun, check_no_earlier_run, check_run
+from recipes.process_group import init_distributed
 from recipes.run_lock import FolderInUse, FolderLock, lock_run_folders
+from recipes.run_saves import hf_exporter, load_backend_state, restore_data_position
 from slidedp.nodes import ReplicaDiverged
 
 logger = logging.getLogger("recipes")
-
-
-class SyntheticBatches:
-    """Uniform random tokens, every position a target. Global sample g comes from its own
-    generator seeded by (seed, g), and rank r takes samples r, r + W, ... of each global
-    micro-batch (as PackedDataLoader does), so any world size sees the same global batches.
-    The position is the number of micro-batches drawn, the same on every rank."""
-
-    def __init__(self, *, vocab_size: int, seq_len: int, local_batch_size: int, dp_rank: int,
-                 dp_world: int, seed: int) -> None:
-        self.vocab_size, self.seq_len, self.local_batch_size = vocab_size, seq_len, local_batch_size
-        self.dp_rank, self.dp_world, self.seed = dp_rank, dp_world, seed
-        self.drawn = 0
-
-    def _batch(self, index: int) -> Batch:
-        generator = torch.Generator()
-        first = index * self.local_batch_size * self.dp_world
-        rows = []
-        for i in range(self.local_batch_size):
-            generator.manual_seed((self.seed << 32) + first + i * self.dp_world + self.dp_rank)
-            rows.append(torch.randint(self.vocab_size, (self.seq_len + 1,), generator=generator))
-        tokens = torch.stack(rows)
-        return tokens[:, :-1], tokens[:, 1:]
-
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            batch = self._batch(self.drawn)
-            self.drawn += 1
-            yield batch
-
-    def state_dict(self) -> dict:
-        return {"micro_batches": self.drawn}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.drawn = sd["micro_batches"]
-
-
-class BatchSource(Protocol):
-    """This rank's infinite stream of micro-batches, resumable at step boundaries (its state is
-    the same on every rank): SyntheticBatches or recipes.data.PackedDataLoader."""
-
-    def __iter__(self) -> Iterator[Batch]: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, sd: dict) -> None: ...
-
-
-def build_batches(config: JobConfig, args: ModelArgs, *, dp_rank: int,
-                  dp_world: int) -> BatchSource:
-    """This rank's infinite stream of (input_ids, labels) micro-batches. A bad tokenizer or data
-    record is a ConfigError naming it (file:line), raised before any model is built."""
-    training = config.training
-    shape = dict(seq_len=training.seq_len, local_batch_size=training.local_batch_size,
-                 dp_rank=dp_rank, dp_world=dp_world, seed=training.seed)
-    if training.dataset == "synthetic":
-        return SyntheticBatches(vocab_size=args.vocab_size, **shape)
-    from recipes.data import PackedDataLoader  # tokenizers/pyarrow only for files
-    from recipes.documents import DataError
-
-    tokenizer, eos_id = load_checked_tokenizer(config, args)
-    try:
-        return PackedDataLoader(training.dataset_path, tokenizer, eos_id=eos_id, **shape)
-    except DataError as e:
-        raise data_error(e) from None
-
-
-def build_lr_schedule(config: JobConfig) -> LRSchedule:
-    sched = config.lr_scheduler
-    return LRSchedule(lr=config.optimizer.lr, total_steps=config.training.steps,
-                      warmup_steps=sched.warmup_steps, decay_type=sched.decay_type,
-                      min_lr_factor=sched.min_lr_factor)
-
-
-def _step_counts(micro_batches: list[Batch], *, device: torch.device) -> tuple[int, bool]:
-    """The step's loss targets over all ranks, and whether any rank got a Ctrl-C: the flag rides
-    the all-reduce the targets need anyway, so every rank sees the same answer at no extra cost."""
-    targets = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
-    counts = torch.tensor([targets, interrupt_requested()], dtype=torch.int64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(counts)
-    targets, interrupted = counts.tolist()
-    return targets, interrupted > 0
-
-
-@dataclass
-class StepOutcome:
-    """One optimizer step as the loop saw it."""
-
-    step: int
-    lr: float
-    target_tokens: int
-    """Loss targets of the step over all ranks and micro-batches."""
-    result: StepResult
-    step_time: float
-    """Seconds, from drawing the micro-batches to the backend's return."""
-    interrupted: bool
-    """A rank got a Ctrl-C before the step began: every rank stops after it."""
-
-    @property
-    def loss(self) -> float:
-        return self.result.loss_sum / max(self.target_tokens, 1)
-
-
-def train_steps(backend: TrainBackend, batches: Iterable[Batch], schedule: LRSchedule, *,
-                steps: int, grad_accum_steps: int, device: torch.device,
-                start_step: int = 0) -> Iterator[StepOutcome]:
-    """The loop proper: per step after `start_step` (the step a resumed run reached), draw the
-    micro-batches, count the global targets (and agree on a Ctrl-C), step."""
-    batches = iter(batches)
-    for step in range(start_step + 1, steps + 1):
-        start = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(grad_accum_steps)]
-        target_tokens, interrupted = _step_counts(micro_batches, device=device)
-        lr = schedule.lr_at(step)
-        result = backend.train_step(micro_batches, lr=lr, global_target_tokens=target_tokens)
-        yield StepOutcome(step=step, lr=lr, target_tokens=target_tokens, result=result,
-                          step_time=time.perf_counter() - start, interrupted=interrupted)
-
-
-def hf_exporter(config: JobConfig, args: ModelArgs) -> HFExport:
-    """The Hugging Face export of a save: the model's config (the source model's, if it was
-    fine-tuned from one) and tokenizer with the weights."""
-    hf_dir = config.model.hf_dir
-
-    def export(tensors: Iterator[tuple[str, torch.Tensor]], out: Path) -> None:
-        from models.hf_checkpoint import load_config_json, save_hf_checkpoint
-
-        save_hf_checkpoint(tensors, args, out,
-                           copy_tokenizer_from=config.model.tokenizer_dir or hf_dir or None,
-                           source_config=load_config_json(hf_dir) if hf_dir else None)
-
-    return export
-
-
-def restore_data_position(data: BatchSource, directory: Path, meta: dict) -> None:
-    """The data position saved in `directory` (its `meta`), or a ConfigError where this run's
-    loader cannot continue it (the data files or seq_len changed). It runs before the backend
-    is built and the records are cut back to the save, so a refused resume touches nothing."""
-    try:
-        data.load_state_dict(meta["data"])
-    except ValueError as e:
-        raise ConfigError(f"checkpoint.resume_from: {directory}: {e}") from None
-
-
-def load_backend_state(backend: TrainBackend, directory: Path, meta: dict) -> int:
-    """Restore the backend's state saved in `directory` (its `meta`); returns its step."""
-    step = backend.load_state(str(directory / TRAIN_STATE))
-    if step != meta["step"]:
-        raise ValueError(f"{directory}: the backend state is at step {step}, meta.json says "
-                         f"{meta['step']}")
-    return step
 
 
 def _describe_model(name: str, args: ModelArgs) -> str:
@@ -228,26 +72,6 @@ def _describe_compute(config: JobConfig) -> str:
     if config.parallelism.mode not in ("slidedp", "deepspeed") or dtype == "bf16":
         return f"{dtype} compute"
     return f"bf16 compute (training.dtype = {dtype!r} applies to single and fsdp2)"
-
-
-def process_group_backend(config: JobConfig, device: torch.device) -> str:
-    """NCCL on GPUs (with gloo for the CPU tensors of FSDP2's CPU offload: its gradient norm is
-    reduced on the host), gloo on the CPU."""
-    if device.type != "cuda":
-        return "gloo"
-    return "cuda:nccl,cpu:gloo" if config.parallelism.fsdp_cpu_offload else "nccl"
-
-
-def init_distributed(config: JobConfig, device: torch.device, *, world: int) -> None:
-    """The default process group: torchrun's env:// rendezvous, or a one-rank group in-process
-    (FSDP2, DeepSpeed and SlideDP need one even alone)."""
-    backend = process_group_backend(config, device)
-    device_id = device if device.type == "cuda" else None
-    if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, device_id=device_id)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=world,
-                                device_id=device_id)
 
 
 def _lock_run_folders(config: JobConfig, *, rank: int, resuming: bool) -> list[FolderLock]:

@@ -163,7 +163,7 @@ def test_a_failed_save_is_reported_and_leaves_latest(tmp_path):
         if exported:
             raise OSError(28, "No space left on device")
         exported.append(out)
-        from recipes.train import hf_exporter
+        from recipes.run_saves import hf_exporter
         hf_exporter(make_config({}, accum=1, max_norm=1.0), ARGS)(tensors, out)
 
     saver = CheckpointSaver(backend, save_dir=str(tmp_path), keep_latest_k=3, background=True,
@@ -183,7 +183,7 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path):
     """A save whose weights diverged (here one weight poisoned after a finite step) writes
     neither Hugging Face weights nor a train state, so `latest` stays the last finite save, and
     the run is stopped with the tensor named."""
-    from recipes.train import hf_exporter
+    from recipes.run_saves import hf_exporter
 
     config = make_config({}, accum=1, max_norm=1.0)
     backend = build_single_backend(config, ARGS, device=torch.device("cpu"))

@@ -11,8 +11,9 @@ import torch
 from protocols.model_spec import get_flavor
 from recipes.config import JobConfig
 from recipes.baselines.eager import build_fsdp2_backend, build_single_backend
+from recipes.batches import build_batches
+from recipes.loop import build_lr_schedule, train_steps
 from recipes.model import build_model
-from recipes.train import build_batches, build_lr_schedule, train_steps
 from tests.conftest import REPO, ranks_fixture
 
 ARGS = get_flavor("qwen3-debug")

@@ -11,12 +11,12 @@ import torch
 from models.hf_checkpoint import save_hf_checkpoint
 from models.rope import RopeScaling
 from protocols.model_spec import get_flavor
+from recipes.batches import build_batches
 from recipes.config import ConfigError, JobConfig, parse_config
 from recipes.model import build_model
 from recipes.preflight import (check_device_memory, check_host_memory, check_run, check_seq_len,
                                device_memory, largest_fitting_batch, launch_flags,
                                slidedp_host_bytes)
-from recipes.train import build_batches
 from slidedp.activations import parse_policy
 from slidedp.plan.memory import activation_bytes
 from tests.conftest import REPO

@@ -21,7 +21,7 @@ from recipes.checkpoint import META_FILE, TRAIN_STATE, latest_checkpoint, stagin
 from slidedp.host_state import HostStatePlan, SharedHostState
 from slidedp.layout import StateLayout
 from slidedp.state_file import load_shards
-from recipes.train import SyntheticBatches
+from recipes.batches import SyntheticBatches
 from tests.test_config import parse_error, run_cli
 from tests.test_train_cli import launch, run_train
 

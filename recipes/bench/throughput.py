@@ -56,11 +56,12 @@ from recipes.bench.rows import emit, exit_if_invalid, training
 from recipes.bench.timeline import breakdown
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
 from recipes.baselines.eager import clip_grad_norm
+from recipes.batches import SyntheticBatches
 from recipes.config import ConfigError, resolve_model, run_config
 from recipes.metrics import gpu_name, memory, throughput
 from recipes.model import build_kernels
 from recipes.parallelize import build_backend
-from recipes.train import SyntheticBatches, init_distributed
+from recipes.process_group import init_distributed
 from slidedp.activations import format_blocks
 from slidedp.plan.live import select_live
 
