@@ -66,7 +66,8 @@ def instance(seed: int):
             residual=rng.uniform(-0.05, 0.05) if rng.random() < 0.5 else 0.0))
     options = [Option(name=f"o{j}", settings={}, residual=rng.uniform(0, 0.3),
                       demand={r: rng.uniform(0.2, 2.5) for r in RESOURCES},
-                      gpu_bytes=rng.uniform(2, 10) * 2**30, host_bytes=rng.uniform(10, 60) * 2**30)
+                      gpu_bytes=rng.uniform(2, 10) * 2**30, host_bytes=rng.uniform(10, 60) * 2**30,
+                      gpu_floor_bytes=rng.uniform(5, 30) * 2**30)
                for j in range(rng.randint(1, 3))]
     return options, choices, dict(blocks=rng.randint(3, 7), ranks=rng.randint(1, 3),
                                   gpu_budget=rng.uniform(15, 40) * 2**30,
@@ -103,6 +104,18 @@ def test_spare_memory_buys_the_policy_that_replays_less():
     # Host-bound: the CPU update (1.5 s) hides the replay, so any fitting mix is as fast.
     assert tight.objective == pytest.approx(max(1.0 + 0.1 + 9 * 0.13, 1.5), abs=1e-3)
     assert solve([option], [keep], gpu_budget=20 * 2**30, **kw) is None
+
+
+def test_the_gradients_at_backwards_end_bound_an_option_but_do_not_add_to_the_activations():
+    """The device's peak is the larger of the activations and the gradients left at backward's
+    end (MemoryEstimate.total): an option's floor rules it out above the budget, and below it
+    costs the blocks nothing, however close to the budget."""
+    keep = Choice("keep", {"gpu compute": 0.1}, gpu_bytes=4 * 2**30, host_bytes=0, rebuilds=False)
+    option = Option("o", {"gpu compute": 1.0}, gpu_bytes=10 * 2**30, host_bytes=0, settings={},
+                    residual=0.0, gpu_floor_bytes=49 * 2**30)
+    kw = dict(blocks=10, ranks=1, host_budget=2**40, rebuild_bytes=0.0)
+    assert solve([option], [keep], gpu_budget=50 * 2**30, **kw).counts == {"keep": 10}
+    assert solve([option], [keep], gpu_budget=48 * 2**30, **kw) is None
 
 
 # ---- the screen, the calibration, the meter -------------------------------------------------------

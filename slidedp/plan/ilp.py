@@ -13,10 +13,12 @@ with y_o in {0, 1} and n_p >= 0 integers:
     subject to   T >= sum_o y_o D_o[r] + sum_p n_p d_p[r]          for every resource r
                  sum_o y_o = 1,  sum_p n_p = blocks
                  sum_o y_o M_o + sum_p n_p g_p + z * rebuild <= GPU budget
+                 sum_o y_o F_o                                 <= GPU budget
                  sum_o y_o H_o + ranks * sum_p n_p h_p        <= host budget
                  n_p <= blocks * z for every policy that rebuilds a block in backward
 
-M_o, H_o: the option's fixed device and host bytes; g_p, h_p: a block's activation bytes on the
+M_o, H_o: the option's fixed device and host bytes (M_o what the activations add to); F_o: its
+device bytes while no activation is held (the gradients at backward's end); g_p, h_p: a block's activation bytes on the
 device and (offloaded, per rank) on the host; `rebuild`: the bytes of the one block a policy
 other than keep rebuilds at a time (z in {0, 1}). Blocks are alike, so counts suffice;
 `objective` evaluates the same expression for a given choice (the tests check the solver's
@@ -69,6 +71,10 @@ class Option(Costs):
     """The [slidedp] keys it sets."""
     residual: float
     """Seconds the schedule adds beyond the largest demand."""
+    gpu_floor_bytes: float = 0.0
+    """Device bytes while no block's activations are held (the gradients at backward's end):
+    the option fits only where these do. They do not add to the activations, which
+    `gpu_bytes` does."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,8 @@ def feasible(option: Option, counts: dict[str, int], choices: dict[str, Choice],
     rebuild = any(n and choices[p].rebuilds for p, n in counts.items())
     gpu = option.gpu_bytes + sum(n * choices[p].gpu_bytes for p, n in counts.items())
     host = option.host_bytes + ranks * sum(n * choices[p].host_bytes for p, n in counts.items())
-    return gpu + rebuild * rebuild_bytes <= gpu_budget and host <= host_budget
+    return (gpu + rebuild * rebuild_bytes <= gpu_budget and host <= host_budget
+            and option.gpu_floor_bytes <= gpu_budget)
 
 
 def solve(options: list[Option], choices: list[Choice], *, blocks: int, ranks: int,
@@ -126,6 +133,7 @@ def solve(options: list[Option], choices: list[Choice], *, blocks: int, ranks: i
             prob += n[c.name] <= blocks * z
     # Bytes in GiB keep the coefficients near 1 (the solver's tolerances are absolute).
     if math.isfinite(gpu_budget):
+        prob += pulp.lpSum(yo * o.gpu_floor_bytes / g for yo, o in zip(y, options)) <= gpu_budget / g
         prob += (pulp.lpSum(yo * o.gpu_bytes / g for yo, o in zip(y, options))
                  + pulp.lpSum(n[c.name] * c.gpu_bytes / g for c in choices)
                  + z * rebuild_bytes / g) <= gpu_budget / g

@@ -243,9 +243,10 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
     # The program adds demands up; the simulation, which overlaps them, has the last word: a
     # choice it puts behind the configuration searched from is not taken, unless that
     # configuration itself does not fit the budgets the program kept to.
-    fixed_gpu, fixed_host = model.fixed_bytes(base)
+    fixed_gpu, fixed_host, floor_gpu = model.fixed_bytes(base)
     act_gpu, act_host = model.activation_bytes(current)
-    base_fits = fixed_gpu + act_gpu <= gpu_budget and fixed_host + act_host <= host_budget
+    base_fits = (max(floor_gpu, fixed_gpu + act_gpu) <= gpu_budget
+                 and fixed_host + act_host <= host_budget)
     kept = base_fits and step_s > now
     if kept:
         best, policies = base, current

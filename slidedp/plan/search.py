@@ -138,14 +138,17 @@ class Model:
     def step_s(self, setting: Setting, policies: list[ActivationPolicy]) -> float:
         return simulate_step(self.spec(setting, policies), self.rates).step_s
 
-    def fixed_bytes(self, setting: Setting) -> tuple[float, float]:
-        """Device and host bytes of `setting` without the blocks' activations: the program's
-        M_o and H_o."""
+    def fixed_bytes(self, setting: Setting) -> tuple[float, float, float]:
+        """Device and host bytes of `setting` without the blocks' activations, and its device
+        bytes while none is held: the program's M_o, H_o and F_o. The device's peak is the
+        resident bytes plus the larger of the activations (with the logits) and the gradients
+        at backward's end (MemoryEstimate.total), so only the first adds to the blocks'."""
         config = setting.apply(self.config)
         gpu = estimate_device_memory(config, self.args, world=self.world, kernels=self.kernels,
                                      block_bytes=lambda p: 0.0, rebuild_bytes=lambda p: 0.0)
-        return gpu.total, host_state_bytes(StateLayout(self.args, world=self.world),
-                                           state_plan(config))
+        host = host_state_bytes(StateLayout(self.args, world=self.world), state_plan(config))
+        return (gpu.resident + gpu.activations + gpu.logits, host,
+                gpu.resident + max(gpu.gradients, gpu.after_prefetch))
 
     def activation_bytes(self, policies: list[ActivationPolicy]) -> tuple[float, float]:
         """Device bytes of the blocks' activations and of the largest rebuild, and host bytes
@@ -194,11 +197,11 @@ def build_program(model: Model, settings: list[Setting], candidates: list[Activa
     options = []
     for setting in settings:
         step = simulate_step(model.spec(setting, ref), rates)
-        gpu, host = model.fixed_bytes(setting)
+        gpu, host, floor = model.fixed_bytes(setting)
         options.append(Option(name=setting.describe(), settings=setting.__dict__,
                               demand=dict(step.demand_s),
                               residual=step.step_s - step.bound_s + step_correction,
-                              gpu_bytes=gpu, host_bytes=host))
+                              gpu_bytes=gpu, host_bytes=host, gpu_floor_bytes=floor))
     reference = step_demands(model.spec(settings[0], ref), rates)
     choices = []
     for p in candidates:
@@ -308,11 +311,11 @@ def _calibration_trial(model: Model, setting: Setting, candidate: ActivationPoli
     program's accounting (all of them where it fits): the more blocks change, the further the
     measured difference stands out of the steps' noise and the less the program extrapolates
     it (`policies` itself where not one block fits)."""
-    gpu, host = model.fixed_bytes(setting)
+    gpu, host, floor = model.fixed_bytes(setting)
     for k in range(len(policies), 0, -1):
         trial = [candidate] * k + policies[k:]
         g, h = model.activation_bytes(trial)
-        if gpu + g <= gpu_budget and host + h <= host_budget:
+        if floor <= gpu_budget and gpu + g <= gpu_budget and host + h <= host_budget:
             return trial
     return policies
 
