@@ -53,6 +53,12 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
     # the first the next forward waits for.
     System("slidedp-keep-gpuembed", "slidedp", (SLIDEDP, "--slidedp.activation=keep",
                                                 "--slidedp.embedding_update=gpu")),
+    # Every unit's optimizer state resident on the GPU (36: Qwen3-4B's blocks, the head-to-head's
+    # model): with clipping, no update waits on the host; fits `keep` up to 4 sequences.
+    System("slidedp-keep-resident", "slidedp", (SLIDEDP, "--slidedp.activation=keep",
+                                                "--slidedp.gpu_state_blocks=36",
+                                                "--slidedp.embedding_update=resident",
+                                                "--slidedp.update_order=next_use")),
     # A keep/selective mix sized for 16 sequences of Qwen3-4B (14 kept blocks of 6.9 GiB each),
     # where `keep` everywhere does not fit.
     System("slidedp-selective-keep14-gpuembed", "slidedp",
