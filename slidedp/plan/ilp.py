@@ -6,7 +6,8 @@ under option o with no per-block cost, and each block under policy p adds d_p[r]
 on the GPU, its offload over PCIe). The step takes at least the largest demand, and the
 schedule exposes `residual_o` more (the simulated step less its largest demand, calibrated on
 measured steps when AutoPolicy runs live); a block under p adds `residual_p` besides its demands
-(0 from the model alone; live, what the calibration measured beyond the model, per block). So,
+(from the model alone, what the simulated schedule exposes of it: search.solve_modelled; live,
+what the calibration measured beyond the model, per block). So,
 with y_o in {0, 1} and n_p >= 0 integers:
 
     minimize     T + sum_o y_o residual_o + sum_p n_p residual_p
@@ -18,9 +19,10 @@ with y_o in {0, 1} and n_p >= 0 integers:
                  n_p <= blocks * z for every policy that rebuilds a block in backward
 
 M_o, H_o: the option's fixed device and host bytes (M_o what the activations add to); F_o: its
-device bytes while no activation is held (the gradients at backward's end); g_p, h_p: a block's activation bytes on the
-device and (offloaded, per rank) on the host; `rebuild`: the bytes of the one block a policy
-other than keep rebuilds at a time (z in {0, 1}). Blocks are alike, so counts suffice;
+device bytes while no activation is held (the gradients at backward's end); g_p, h_p: a block's
+activation bytes on the device and (offloaded, per rank) on the host; `rebuild`: the bytes of
+the one block a policy other than keep rebuilds at a time (z in {0, 1}). Blocks are alike, so
+counts suffice;
 `objective` evaluates the same expression for a given choice (the tests check the solver's
 optimum against every choice of small instances). Among choices equally fast, the one with less
 device memory wins: the objective charges TIE_BREAK_S_PER_GIB for each GiB.

@@ -240,18 +240,19 @@ def solve_modelled(model: Model, options: list[Option], choices: list[Choice], *
     option of the previous solution, until the option repeats (at most REFINE_ROUNDS): the
     residual depends on the option (a host-bound one hides an offload that a GPU-bound one
     exposes), and the program weighs one option's at a time."""
-    found = solve(options, choices, blocks=model.args.n_layers, ranks=model.world,
-                  gpu_budget=gpu_budget, host_budget=host_budget, rebuild_bytes=rebuild_bytes)
+    limits = dict(blocks=model.args.n_layers, ranks=model.world, gpu_budget=gpu_budget,
+                  host_budget=host_budget, rebuild_bytes=rebuild_bytes)
+    found = solve(options, choices, **limits)
+    # Pricing changes no choice's bytes: what fitted still fits, so a solution stays one.
     for _ in range(REFINE_ROUNDS):
         if found is None:
-            return None
+            break
         residual = modelled_residuals(model, Setting(**found.option.settings), choices)
-        priced = [replace(c, residual=residual[c.name]) for c in choices]
-        again = solve(options, priced, blocks=model.args.n_layers, ranks=model.world,
-                      gpu_budget=gpu_budget, host_budget=host_budget, rebuild_bytes=rebuild_bytes)
-        if again is None or again.option.name == found.option.name:
-            return again or found
+        again = solve(options, [replace(c, residual=residual[c.name]) for c in choices], **limits)
+        settled = again.option.name == found.option.name
         found = again
+        if settled:
+            break
     return found
 
 
@@ -312,10 +313,12 @@ def _calibration_trial(model: Model, setting: Setting, candidate: ActivationPoli
     measured difference stands out of the steps' noise and the less the program extrapolates
     it (`policies` itself where not one block fits)."""
     gpu, host, floor = model.fixed_bytes(setting)
+    if floor > gpu_budget:
+        return policies
     for k in range(len(policies), 0, -1):
         trial = [candidate] * k + policies[k:]
         g, h = model.activation_bytes(trial)
-        if floor <= gpu_budget and gpu + g <= gpu_budget and host + h <= host_budget:
+        if gpu + g <= gpu_budget and host + h <= host_budget:
             return trial
     return policies
 

@@ -114,7 +114,8 @@ class Workload:
         self.rates, self.args, self.flavor, self.kernels, self.seq = rates, args, flavor, kernels, seq
         # A probe's timings and costs are of the model it ran (`rates.model`); another model's
         # blocks would pass for this one's, so they count only where the model is the same.
-        self.own_timings = rates.model in ("", model_key(args, kernels, rates.compute_dtype))
+        self.own_timings = not rates.model or rates.model == model_key(args, kernels,
+                                                                        rates.compute_dtype)
 
     def _flop_seconds(self, flops_per_token: float, tokens: int) -> float:
         return flops_per_token * tokens / (self.rates.tflops(self.flavor, self.kernels) * 1e12)
