@@ -148,13 +148,25 @@ def test_head_to_head_ratios_and_geometric_mean():
     assert not any(r["peer"] == "fsdp2" for r in out)  # no SlideDP point at batch 8
 
 
+def test_head_to_head_sets_median_launches_against_each_other():
+    """Three launches of SlideDP's setting against one of the peer's: SlideDP counts as its median
+    launch, not its best (docs/PERFORMANCE.md rule 6), and each side says how many it ran."""
+    rows = [{"system": s, "family": f, "local_batch": 2, "tokens_per_s": t} for s, f, t in [
+        ("slidedp-keep", "slidedp", 900.0), ("slidedp-keep", "slidedp", 1500.0),
+        ("slidedp-keep", "slidedp", 1000.0), ("zero2-offload", "zero-offload", 500.0)]]
+    at2 = head_to_head.matched(rows)[0]
+    assert (at2["ratio"], at2["slidedp_launches"], at2["peer_launches"]) == (2.0, 3, 1)
+
+
 def test_batch_sweep_plots_one_point_per_batch():
-    """Rows of two calls at the same batches plot as one line: the faster row at each batch."""
+    """Rows of several launches at the same batches plot as one line: the median launch at each
+    batch (the lower middle of two)."""
     rows = [{"system": "s", "local_batch": b, "tokens_per_s": t} for b, t in
-            [(4, 10.0), (8, 30.0), (4, 12.0), (8, 20.0), (1, 5.0)]]
+            [(4, 10.0), (8, 30.0), (4, 12.0), (8, 20.0), (1, 5.0), (8, 25.0)]]
     rows.append({"system": "other", "local_batch": 4, "tokens_per_s": 99.0})
     picked = batch_sweep.lines(rows)
-    assert [(r["local_batch"], r["tokens_per_s"]) for r in picked["s"]] == [(1, 5.0), (4, 12.0), (8, 30.0)]
+    assert [(r["local_batch"], r["tokens_per_s"]) for r in picked["s"]] == [(1, 5.0), (4, 10.0), (8, 25.0)]
+    assert [(r["min"], r["max"], r["launches"]) for r in picked["s"]] == [(5.0, 5.0, 1), (10.0, 12.0, 2), (20.0, 30.0, 3)]
     assert [r["tokens_per_s"] for r in picked["other"]] == [99.0]
 
 

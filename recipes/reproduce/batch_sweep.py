@@ -21,8 +21,9 @@ COLUMNS = [SYSTEM, WORLD, BATCH, TOKENS, STEP, Column("mfu", "MFU", "{:.1%}"), G
 
 
 def lines(rows: list[dict]) -> dict[str, list[dict]]:
-    """Each system's fastest row at each batch, by batch: --rows may hold a point twice (several
-    calls), the table lists both, and a line through both would double back."""
+    """Each system's median launch at each batch, by batch: --rows may hold a point several
+    times (several launches or calls), the table lists each, and a line through all would
+    double back."""
     best = fastest(rows, key=lambda r: (r["system"], r["local_batch"]))
     out: dict[str, list[dict]] = {r["system"]: [] for r in rows}  # in order of first appearance
     for system, batch in sorted(best, key=lambda k: k[1]):
