@@ -25,5 +25,7 @@ def init_distributed(config: JobConfig, device: torch.device, *, world: int) -> 
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, device_id=device_id)
     else:
+        # As torchrun would describe this rank: DeepSpeed's engine refuses to start without it.
+        os.environ.setdefault("LOCAL_RANK", "0")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=world,
                                 device_id=device_id)
