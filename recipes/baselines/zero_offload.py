@@ -20,6 +20,8 @@ Not supported (refused at start by recipes/preflight.py): saves and resumes (thi
 throughput peer), training.init_on_meta.
 """
 
+import gc
+import inspect
 import os
 from typing import Any
 
@@ -141,10 +143,62 @@ class DeepSpeedBackend:
     snapshot_state = saved_master_parameters = load_state = _refuse
 
     def close(self) -> None:
-        self.engine.destroy()
+        """Free the engine and the process group DeepSpeed made for it. Each needs more than
+        engine.destroy(): whatever stays referenced keeps its gloo threads past
+        destroy_process_group() (tests/rank_exit.py), and one engine a batch in the GPU bench
+        would keep every earlier engine's memory."""
+        engine = self.engine
         del self.engine
+        engine.destroy()
+        if engine.zero_optimization_stage() == 3:
+            _release_zero3_module(engine.module)
+        del engine
+        gc.collect()  # the engine sits in reference cycles with its hooks on the module
+        _destroy_deepspeed_groups()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _release_zero3_module(module: nn.Module) -> None:
+    """Drop what DeepSpeed's ZeRO-3 keeps of the model in module-level state after destroy():
+    its stack of modules in forward (the top module, pushed when the hooks are set up, is never
+    popped) and the class-wide cache of the parameters each module releases (keyed by module).
+    Through the modules' hooks and the parameters' attributes these keep the engine, and the
+    process group the parameters name, alive for the life of the process."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import \
+        PartitionedParameterCoordinator as Coordinator
+
+    ours = set(module.modules())
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [m for m in stack if m not in ours]
+    # An lru_cache under DeepSpeed's NVTX wrapper (which keeps no __wrapped__).
+    params_to_release = Coordinator._PartitionedParameterCoordinator__params_to_release
+    inspect.getclosurevars(params_to_release).nonlocals["func"].cache_clear()
+
+
+def _destroy_deepspeed_groups() -> None:
+    """Destroy DeepSpeed's clone of the world group (the one group this configuration makes:
+    no model, expert or sequence parallelism), which deepspeed.utils.groups keeps for the life of
+    the process. deepspeed.comm's destroy also drops DeepSpeed's references to it, so the next
+    engine makes a new one."""
+    import deepspeed.comm
+    from deepspeed.utils import groups
+
+    if groups._WORLD_GROUP is not None:
+        deepspeed.comm.destroy_process_group(groups._WORLD_GROUP)
+
+
+def _unbind_default_group() -> None:
+    """deepspeed.comm's torch backend, first imported by build_deepspeed_backend (inside the
+    process group), binds the default group as its barriers' default argument at import, which
+    keeps the group and its threads alive past destroy_process_group(). Its barriers read None
+    as the default group at the call."""
+    from deepspeed.comm.torch import TorchBackend
+
+    for name in ("barrier", "monitored_barrier"):
+        barrier = inspect.unwrap(getattr(TorchBackend, name))
+        barrier.__defaults__ = (None, *barrier.__defaults__[1:])
 
 
 def build_deepspeed_backend(config: JobConfig, args: ModelArgs, *,
@@ -156,6 +210,7 @@ def build_deepspeed_backend(config: JobConfig, args: ModelArgs, *,
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
+    _unbind_default_group()
     model = build_model(args, seed=config.training.seed, hf_dir=config.model.hf_dir,
                         kernels=build_kernels(config, device=device))
     apply_activation_checkpointing(model, mode=config.activation_checkpoint.mode)
