@@ -60,12 +60,15 @@ def test_what_backward_replays(family):
 # ---- DeepSpeed ZeRO-Offload ----------------------------------------------------------------------
 
 import importlib.util  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 from recipes.baselines.zero_offload import deepspeed_config  # noqa: E402
 from recipes.config import ConfigError, JobConfig  # noqa: E402
 from recipes.preflight import check_run  # noqa: E402
-from tests.conftest import ranks_fixture  # noqa: E402
+from tests.conftest import REPO, ranks_fixture, subprocess_env  # noqa: E402
 from tests.test_fsdp2 import BASE, make_config, single_reference, train  # noqa: E402
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -152,6 +155,26 @@ def test_deepspeed_zero_offload_matches_single_process(request, deepspeed_runs, 
     assert diff.max() <= BASE["optimizer.lr"] * BASE["training.steps"]
     assert diff.mean() <= 2e-4
 
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install '.[deepspeed]')")
+def test_one_rank_deepspeed_bench_runs_without_a_launcher(tmp_path):
+    """The bench on one rank makes its own process group, with no launcher's environment (as the
+    suites launch it on one GPU); DeepSpeed's engine needs LOCAL_RANK, and an engine a batch is
+    built and closed in one process. Every row trains: finite loss and norm, nothing skipped."""
+    env = {k: v for k, v in subprocess_env().items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = tmp_path / "runs.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.bench.throughput", "--parallelism.mode=deepspeed",
+         "--deepspeed.zero_stage=2", "--model.flavor=qwen3-debug", "--model.kernels=torch",
+         "--training.seq_len=32", "--training.max_norm=1.0", "--training.steps=2",
+         "--bench.warmup=0", "--bench.batches", "1", "2", f"--bench.out={out}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["local_batch"] for r in rows] == [1, 2]
+    assert all(r["valid"] and len(r["loss"]) == 2 and not any(r["skipped"]) for r in rows)
+    assert all(math.isfinite(x) for r in rows for x in r["loss"] + r["grad_norm"])
 
 def test_memory_estimate_of_the_offloading_baselines():
     """FSDP2's CPU offload keeps the sharded 16 B/param off the GPU; ZeRO-Offload keeps BF16
