@@ -17,7 +17,7 @@ import pytest
 
 from recipes.bench import suite
 from recipes.bench.config import BenchConfig, check, mode
-from recipes.bench.suite_file import SUITES, SuiteError, load_suite, parse_sets
+from recipes.bench.suite_file import SUITES, SuiteError, load_suite, parse_sets, shipped_suites
 from recipes.bench.suite_runner import BENCH
 from recipes.config import ConfigError, parse_config
 from tests.conftest import REPO, subprocess_env
@@ -241,6 +241,22 @@ def test_set_overrides_a_suites_variables_and_its_deadline():
     assert load_suite("cast_copy", sets, builtins).workloads[0]["ngpu"] == [1, 2, 4, 8]
     long = load_suite("long_context", parse_sets(["flavor=qwen3-4B"]), builtins)
     assert "--out o/attention_qwen3-4B_262k.jsonl" in long.workloads[0]["flags"]
+
+
+def test_the_head_to_heads_suites_take_one_workload_from_a_vars_only_include():
+    """slidedp_best, head_to_head and the peers' suites are set against each other, so their
+    workload's flags live once, in suites/vars/h2h.toml: variables and no workloads, left out
+    of --list, and overridden by --set as a suite's own variables are."""
+    builtins = {"out": "o", "repo": REPO, "ngpu": 1}
+    shared = load_suite("vars/h2h", {}, builtins)
+    assert shared.workloads == [] and "--model.flavor qwen3-4B" in shared.vars["h2h"]
+    for name in ("slidedp_best", "head_to_head", "peers", "peers2", "offload"):
+        workloads = load_suite(name, {}, builtins).workloads
+        assert workloads and all(w["flags"].startswith(shared.vars["h2h"] + " ")
+                                 for w in workloads), name
+    other = load_suite("peers", parse_sets(["h2h=--model.flavor qwen3-1.7B"]), builtins)
+    assert other.workloads[0]["flags"].startswith("--model.flavor qwen3-1.7B --parallelism")
+    assert not {"vars/h2h", "h2h"} & set(shipped_suites())
 
 
 def test_an_out_dir_an_earlier_invocation_used_is_refused_before_the_correctness_stage(tmp_path):

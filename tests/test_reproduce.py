@@ -150,12 +150,14 @@ def test_head_to_head_ratios_and_geometric_mean():
 
 def test_head_to_head_sets_median_launches_against_each_other():
     """Three launches of SlideDP's setting against one of the peer's: SlideDP counts as its median
-    launch, not its best (docs/PERFORMANCE.md rule 6), and each side says how many it ran."""
+    launch, not its best (docs/PERFORMANCE.md rule 6), and each side says how many it ran and
+    their min–max (rule 3)."""
     rows = [{"system": s, "family": f, "local_batch": 2, "tokens_per_s": t} for s, f, t in [
         ("slidedp-keep", "slidedp", 900.0), ("slidedp-keep", "slidedp", 1500.0),
         ("slidedp-keep", "slidedp", 1000.0), ("zero2-offload", "zero-offload", 500.0)]]
     at2 = head_to_head.matched(rows)[0]
     assert (at2["ratio"], at2["slidedp_launches"], at2["peer_launches"]) == (2.0, 3, 1)
+    assert (at2["slidedp_range"], at2["peer_range"]) == ("900–1,500", "500–500")
 
 
 def test_batch_sweep_plots_one_point_per_batch():

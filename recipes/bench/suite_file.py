@@ -41,11 +41,12 @@ class Suite:
 
 
 def suite_path(name: str) -> Path:
-    """A suite's file: a path as given, else recipes/bench/suites/NAME.toml."""
-    path = Path(name)
-    if path.suffix == ".toml" or os.sep in name:
-        return path
-    return SUITES / f"{name}.toml"
+    """A suite's file: recipes/bench/suites/NAME.toml where there is one (NAME may name its
+    subfolder: `vars/h2h`, variables that several suites include), else a path as given."""
+    path, shipped = Path(name), SUITES / f"{name}.toml"
+    if path.suffix != ".toml" and shipped.is_file():
+        return shipped
+    return path if path.suffix == ".toml" or os.sep in name else shipped
 
 
 def shipped_suites() -> dict[str, str]:

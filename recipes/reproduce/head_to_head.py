@@ -1,7 +1,8 @@
 """Matched-batch head-to-head: at each local batch, SlideDP's best throughput over its options
 divided by each peer's best over its own (a peer's options: --systems of its family), and the
 geometric mean of those ratios over the batches where both ran. A setting measured in several
-launches counts as its median launch, on both sides (common.fastest).
+launches counts as its median launch, on both sides (common.fastest), quoted with its
+min–max.
 
     python -m recipes.reproduce.head_to_head [--batches 1,2,4,8,16]
         [--systems slidedp-recompute,slidedp-keep,zero2-offload,fsdp2-full]
@@ -21,9 +22,11 @@ PAPER = ("matched-batch sweeps: SlideDP's geometric-mean throughput ratio over S
 COLUMNS = [Column("peer", "peer"), BATCH,
            Column("slidedp_system", "SlideDP setting"),
            Column("slidedp_tokens_per_s", "SlideDP tokens/s", "{:,.0f}"),
+           Column("slidedp_range", "min–max"),
            Column("slidedp_launches", "launches"),
            Column("peer_system", "peer setting"),
            Column("peer_tokens_per_s", "peer tokens/s", "{:,.0f}"),
+           Column("peer_range", "min–max"),
            Column("peer_launches", "launches"),
            Column("ratio", "SlideDP / peer", "{:.2f}x")]
 
@@ -41,12 +44,18 @@ def matched(rows: list[dict]) -> list[dict]:
         ratios[family].append(ratio)
         out.append({"peer": family, "local_batch": batch, "slidedp_system": ours["system"],
                     "slidedp_tokens_per_s": ours["tokens_per_s"],
-                    "slidedp_launches": ours["launches"], "peer_system": peer["system"],
-                    "peer_tokens_per_s": peer["tokens_per_s"], "peer_launches": peer["launches"],
+                    "slidedp_range": spread(ours), "slidedp_launches": ours["launches"],
+                    "peer_system": peer["system"], "peer_tokens_per_s": peer["tokens_per_s"],
+                    "peer_range": spread(peer), "peer_launches": peer["launches"],
                     "ratio": ratio})
     for family, values in ratios.items():
         out.append({"peer": family, "local_batch": "geomean", "ratio": geomean(values)})
     return out
+
+
+def spread(row: dict) -> str:
+    """A side's launches as min–max tokens/s, quoted beside its median (rule 3)."""
+    return f"{row['min']:,.0f}–{row['max']:,.0f}"
 
 
 def plot(plt, rows: list[dict]):
