@@ -23,7 +23,8 @@ A suite file:
     description = "what it measures"
     seconds = 420                  # its deadline: no launch runs past it (optional)
     shared_deadline = "multi_gpu"  # suites naming the same one share the first one's deadline
-    include = ["other_suite"]      # that suite's workloads first, under this deadline
+    include = ["other_suite"]      # its variables and workloads first, under this deadline
+                                   # (suites/vars/NAME: variables only, not in --list)
     [vars]                         # ${NAME} in any value below; --set NAME=VALUE overrides
     flavor = "qwen3-8B"
 
