@@ -126,31 +126,33 @@ def test_the_compute_bound_is_at_most_a_measured_step(rates_dir, tmp_path, capsy
     CPUs without BF16 matmuls). One thread because a pool of threads on oversubscribed cores
     (the suite runs two workers, CI may run more beside them) waits at every barrier for a
     descheduled peer, and the probe's short timed blocks suffer that far more than a step does.
-    Another test worker may load the cores during one probe and not during the steps, and load
-    only slows a timing: the bound is the fastest of up to three probes, each into a fresh
-    cache."""
-    proc = subprocess.run([sys.executable, "-m", "recipes.train", f"--job.config_file={DEBUG}",
-                           "--training.steps=25", f"--job.dump_folder={tmp_path}/run",
-                           "--checkpoint.save_dir=", "--metrics.no_enable_tensorboard"],
-                          cwd=REPO, env={**subprocess_env(), "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    measured = statistics.median(r["step_time_s"] for r in rows[5:])
-    bounds, threads = [], torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for attempt in range(3):
-            monkeypatch.setenv("SLIDEDP_RATES_DIR", str(rates_dir / str(attempt)))
+    Another test worker may load the cores during one timing and not the other, and load only
+    slows a timing: so each of up to three tries times the steps and then the probe, one right
+    after the other (each probe into a fresh cache), and one try whose pair meets the bound
+    passes."""
+    pairs, threads = [], torch.get_num_threads()
+    for attempt in range(3):
+        run = tmp_path / f"run{attempt}"
+        proc = subprocess.run([sys.executable, "-m", "recipes.train", f"--job.config_file={DEBUG}",
+                               "--training.steps=25", f"--job.dump_folder={run}",
+                               "--checkpoint.save_dir=", "--metrics.no_enable_tensorboard"],
+                              cwd=REPO, env={**subprocess_env(), "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+        measured = statistics.median(r["step_time_s"] for r in rows[5:])
+        monkeypatch.setenv("SLIDEDP_RATES_DIR", str(rates_dir / str(attempt)))
+        torch.set_num_threads(1)
+        try:
             assert main([DEBUG, f"--job.dump_folder={tmp_path}/plan{attempt}"]) == 0
-            out = capsys.readouterr().out
-            bounds.append(float(re.search(r"^compute alone .*?: ([\d.]+) s per step", out,
-                                          re.M)[1]))
-            if min(bounds) <= 1.1 * measured:
-                break
-    finally:
-        torch.set_num_threads(threads)
-    assert min(bounds) <= 1.1 * measured, (bounds, measured, out)
+        finally:
+            torch.set_num_threads(threads)
+        out = capsys.readouterr().out
+        bound = float(re.search(r"^compute alone .*?: ([\d.]+) s per step", out, re.M)[1])
+        pairs.append((bound, measured))
+        if bound <= 1.1 * measured:
+            break
+    assert any(bound <= 1.1 * measured for bound, measured in pairs), (pairs, out)
 
 
 def test_a_model_too_large_for_the_cpu_is_refused_before_measuring(rates_dir, no_measuring,
