@@ -245,8 +245,8 @@ def test_set_overrides_a_suites_variables_and_its_deadline():
 
 def test_the_head_to_heads_suites_take_one_workload_from_a_vars_only_include():
     """slidedp_best, head_to_head and the peers' suites are set against each other, so their
-    workload's flags live once, in suites/vars/h2h.toml: variables and no workloads, left out
-    of --list, and overridden by --set as a suite's own variables are."""
+    workload's flags and launch count live once, in suites/vars/h2h.toml: variables and no
+    workloads, left out of --list, and overridden by --set as a suite's own variables are."""
     builtins = {"out": "o", "repo": REPO, "ngpu": 1}
     shared = load_suite("vars/h2h", {}, builtins)
     assert shared.workloads == [] and "--model.flavor qwen3-4B" in shared.vars["h2h"]
@@ -254,6 +254,9 @@ def test_the_head_to_heads_suites_take_one_workload_from_a_vars_only_include():
         workloads = load_suite(name, {}, builtins).workloads
         assert workloads and all(w["flags"].startswith(shared.vars["h2h"] + " ")
                                  for w in workloads), name
+    # Both sides of a ratio launch each setting as often (rule 6).
+    assert all(w["launches"] == shared.vars["launches"] == 3 for name in ("slidedp_best",
+               "head_to_head") for w in load_suite(name, {}, builtins).workloads)
     other = load_suite("peers", parse_sets(["h2h=--model.flavor qwen3-1.7B"]), builtins)
     assert other.workloads[0]["flags"].startswith("--model.flavor qwen3-1.7B --parallelism")
     assert not {"vars/h2h", "h2h"} & set(shipped_suites())

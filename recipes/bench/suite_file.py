@@ -44,9 +44,9 @@ def suite_path(name: str) -> Path:
     """A suite's file: recipes/bench/suites/NAME.toml where there is one (NAME may name its
     subfolder: `vars/h2h`, variables that several suites include), else a path as given."""
     path, shipped = Path(name), SUITES / f"{name}.toml"
-    if path.suffix != ".toml" and shipped.is_file():
-        return shipped
-    return path if path.suffix == ".toml" or os.sep in name else shipped
+    if path.suffix == ".toml" or (os.sep in name and not shipped.is_file()):
+        return path
+    return shipped
 
 
 def shipped_suites() -> dict[str, str]:
