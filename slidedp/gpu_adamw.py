@@ -23,8 +23,10 @@ try:
 except ImportError:  # a CPU-only torch without it: torch's path serves every update
     triton = None
 
-BLOCK = 1024
-"""Elements per program: a memory-bound pass, 4 warps of 8 elements a thread."""
+ELEMENTS_PER_THREAD = 8
+"""A memory-bound pass: each thread loads and stores 8 elements of each tensor."""
+BLOCK = 4 * 32 * ELEMENTS_PER_THREAD
+"""Elements per program at the default 4 warps."""
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -33,14 +35,11 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _adamw_kernel(param, exp_avg, exp_avg_sq, grad, out, divisor, found_inf, n,
-                      lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size,
-                      bc2_sqrt, eps, HAS_OUT: tl.constexpr, HAS_DIVISOR: tl.constexpr,
-                      HAS_FOUND_INF: tl.constexpr, MOMENTS_BF16: tl.constexpr,
-                      BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        if HAS_FOUND_INF:  # a skipped step writes nothing (torch's fused kernel returns)
-            n = tl.where(tl.load(found_inf) == 0, n, 0)
+    def _adamw_block(index, param, exp_avg, exp_avg_sq, grad, out, divisor, n, lr_wd, beta1,
+                     one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+                     HAS_OUT: tl.constexpr, HAS_DIVISOR: tl.constexpr,
+                     MOMENTS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.cast(index, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(grad + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_DIVISOR:
@@ -64,17 +63,38 @@ if triton is not None:
         if HAS_OUT:
             tl.store(out + offs, p.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
 
+    @triton.jit
+    def _adamw_kernel(param, exp_avg, exp_avg_sq, grad, out, divisor, found_inf, n,
+                      lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size,
+                      bc2_sqrt, eps, HAS_OUT: tl.constexpr, HAS_DIVISOR: tl.constexpr,
+                      HAS_FOUND_INF: tl.constexpr, MOMENTS_BF16: tl.constexpr,
+                      STRIDED: tl.constexpr, BLOCK: tl.constexpr):
+        if HAS_FOUND_INF:  # a skipped step writes nothing (torch's fused kernel returns)
+            n = tl.where(tl.load(found_inf) == 0, n, 0)
+        if STRIDED:  # a capped grid: each program updates every num_programs-th block
+            for index in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+                _adamw_block(index, param, exp_avg, exp_avg_sq, grad, out, divisor, n, lr_wd,
+                             beta1, one_minus_beta1, beta2, one_minus_beta2, step_size,
+                             bc2_sqrt, eps, HAS_OUT, HAS_DIVISOR, MOMENTS_BF16, BLOCK)
+        else:
+            _adamw_block(tl.program_id(0), param, exp_avg, exp_avg_sq, grad, out, divisor, n,
+                         lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size,
+                         bc2_sqrt, eps, HAS_OUT, HAS_DIVISOR, MOMENTS_BF16, BLOCK)
+
 
 def adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                grad: torch.Tensor, *, out: torch.Tensor | None, lr: float, beta1: float,
                beta2: float, weight_decay: float, eps: float, step: int,
-               divisor: torch.Tensor | None = None,
-               found_inf: torch.Tensor | None = None) -> None:
+               divisor: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+               programs: int = 0, warps: int = 4) -> None:
     """AdamW step `step` (from 1) of the flat FP32 `param` and its moments `exp_avg`,
     `exp_avg_sq` (both FP32, or both BF16: widened, updated in FP32 and rounded back, as the CPU
     Adam does) in place, with the BF16 `grad` divided by `divisor` (a device scalar; None: by 1),
     skipped where `found_inf` (a device scalar) is nonzero; `out` (BF16, or None) receives the
-    new `param` rounded to BF16. Issued on the current stream; `grad` is left unchanged."""
+    new `param` rounded to BF16. Issued on the current stream; `grad` is left unchanged.
+    `programs` > 0 caps the kernel's grid, each program striding over blocks of `warps` warps'
+    elements, so that the update leaves the other SMs to kernels beside it (the forward's GEMMs:
+    recipes/bench/gpu_adam.py --overlap times it); 0: a program a block."""
     n = param.numel()
     if not all(t.numel() == n for t in (exp_avg, exp_avg_sq, grad)) or (
             out is not None and out.numel() != n):
@@ -86,14 +106,19 @@ def adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
                          beta2=beta2, weight_decay=weight_decay, eps=eps, step=step,
                          divisor=divisor, found_inf=found_inf)
         return
-    bc1 = 1 - beta1 ** step
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+    if programs < 0 or warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"adamw_step: programs must be >= 0 and warps a power of two up to 32, "
+                         f"got {programs}, {warps}")
+    bc1, block = 1 - beta1 ** step, warps * 32 * ELEMENTS_PER_THREAD
+    blocks = triton.cdiv(n, block)
+    _adamw_kernel[(min(blocks, programs) if programs else blocks,)](
         param, exp_avg, exp_avg_sq, grad, out if out is not None else param,
         divisor if divisor is not None else param, found_inf if found_inf is not None else param,
         n, lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr / bc1,
         math.sqrt(1 - beta2 ** step), eps, HAS_OUT=out is not None,
         HAS_DIVISOR=divisor is not None, HAS_FOUND_INF=found_inf is not None,
-        MOMENTS_BF16=exp_avg.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=4)
+        MOMENTS_BF16=exp_avg.dtype == torch.bfloat16, STRIDED=0 < programs < blocks,
+        BLOCK=block, num_warps=warps)
 
 
 def torch_adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

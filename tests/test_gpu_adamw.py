@@ -33,19 +33,21 @@ def step_launch(state, grad, out, step, divisor, found_inf):
     adamw_step(*state, grad, out=out, step=step, divisor=divisor, found_inf=found_inf, **HYPER)
 
 
-def interpreted_launch(state, grad, out, step, divisor, found_inf):
-    """The kernel itself (adamw_step takes torch's path on the CPU), under TRITON_INTERPRET=1."""
+def interpreted_launch(state, grad, out, step, divisor, found_inf, programs=0):
+    """The kernel itself (adamw_step takes torch's path on the CPU), under TRITON_INTERPRET=1,
+    on a program a block or, `programs` > 0, on that many programs striding over the blocks."""
     import triton
 
     import slidedp.gpu_adamw as g
     b1, b2, p = HYPER["beta1"], HYPER["beta2"], state[0]
-    g._adamw_kernel[(triton.cdiv(p.numel(), BLOCK),)](
+    blocks = triton.cdiv(p.numel(), BLOCK)
+    g._adamw_kernel[(programs or blocks,)](
         *state, grad, out, divisor if divisor is not None else p,
         found_inf if found_inf is not None else p, p.numel(),
         HYPER["lr"] * HYPER["weight_decay"], b1, 1 - b1, b2, 1 - b2,
         HYPER["lr"] / (1 - b1 ** step), math.sqrt(1 - b2 ** step), HYPER["eps"],
         HAS_OUT=True, HAS_DIVISOR=divisor is not None, HAS_FOUND_INF=found_inf is not None,
-        MOMENTS_BF16=False, BLOCK=BLOCK)
+        MOMENTS_BF16=False, STRIDED=programs > 0, BLOCK=BLOCK)
 
 
 def compare(device, launch):
@@ -74,11 +76,14 @@ def compare(device, launch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-def test_the_kernels_formula_follows_torchs_fused_adamw_in_the_interpreter():
-    script = textwrap.dedent("""
-        import torch
+@pytest.mark.parametrize("programs", [0, 3], ids=["a-program-a-block", "a-capped-grid"])
+def test_the_kernels_formula_follows_torchs_fused_adamw_in_the_interpreter(programs):
+    """Also with fewer programs than blocks (3 for 4: one program strides over two)."""
+    script = textwrap.dedent(f"""
+        import functools, torch
         from tests.test_gpu_adamw import compare, interpreted_launch
-        state, out = compare(torch.device("cpu"), interpreted_launch)
+        launch = functools.partial(interpreted_launch, programs={programs})
+        state, out = compare(torch.device("cpu"), launch)
         # The interpreter rounds to BF16 its own way: within one BF16 step of the weights.
         assert ((out.float() - state[0]).abs() <= state[0].abs() * 2 ** -7).all()
         print("ok")
@@ -150,6 +155,34 @@ def test_lengths_must_agree():
                    step=1, **HYPER)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")
+@pytest.mark.parametrize("programs,warps", [(2, 4), (1, 16), (5, 1)])
+def test_a_capped_grid_updates_as_a_program_a_block_does(programs, warps):
+    """The capped grid is the same arithmetic per element: bit for bit the uncapped kernel's."""
+    torch.manual_seed(0)
+    n = 5 * BLOCK * 16 + 77
+    state = [torch.randn(n, device="cuda"), 0.01 * torch.randn(n, device="cuda"),
+             1e-4 * torch.rand(n, device="cuda")]
+    capped = [t.clone() for t in state]
+    grad = torch.randn(n, device="cuda").bfloat16()
+    outs = [torch.empty(n, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    divisor = torch.tensor(3.0, device="cuda")
+    adamw_step(*state, grad, out=outs[0], step=2, divisor=divisor, **HYPER)
+    adamw_step(*capped, grad, out=outs[1], step=2, divisor=divisor, programs=programs,
+               warps=warps, **HYPER)
+    assert all(torch.equal(a, b) for a, b in zip([*state, outs[0]], [*capped, outs[1]]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")
+def test_a_grid_cap_or_program_size_out_of_range_is_refused():
+    p = torch.zeros(8, device="cuda")
+    for programs, warps in ((-1, 4), (0, 3), (0, 64)):
+        with pytest.raises(ValueError, match="programs must be >= 0 and warps a power of two"):
+            adamw_step(p, p.clone(), p.clone(), torch.zeros(8, dtype=torch.bfloat16,
+                                                           device="cuda"),
+                       out=None, step=1, programs=programs, warps=warps, **HYPER)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
 def test_the_gpu_adam_bench_refuses_without_a_gpu(capsys):
     assert gpu_adam_bench(["--params", "1000"]) == 2
@@ -164,3 +197,15 @@ def test_the_gpu_adam_bench_times_both_paths(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["what"] for r in rows] == ["one-pass kernel", "torch fused + cast + copy"]
     assert all(r["median_s"] > 0 and r["useful_gbs"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")
+def test_the_gpu_adam_bench_times_the_update_beside_gemms(tmp_path):
+    out = tmp_path / "rows.json"
+    assert gpu_adam_bench(["--params", "4e6", "--repeats", "3", "--json", str(out), "--overlap",
+                           "--gemm", "1024", "256", "512", "--gemm-calls", "4",
+                           "--programs", "0", "8", "--warps", "4"]) == 0
+    rows = [r for r in json.loads(out.read_text()) if r["what"] == "update beside GEMMs"]
+    assert [(r["programs"], r["warps"]) for r in rows] == [(0, 4), (8, 4)]
+    # the pair takes at least its longer half, less the timer's resolution
+    assert all(r["pair_s"] >= max(r["chain_s"], r["update_s"]) - 5e-5 for r in rows)
