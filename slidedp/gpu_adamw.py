@@ -27,6 +27,8 @@ ELEMENTS_PER_THREAD = 8
 """A memory-bound pass: each thread loads and stores 8 elements of each tensor."""
 BLOCK = 4 * 32 * ELEMENTS_PER_THREAD
 """Elements per program at the default 4 warps."""
+WARPS = (1, 2, 4, 8, 16, 32)
+"""The warps a program may have (`adamw_step`'s `warps`): Triton's powers of two."""
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -101,14 +103,14 @@ def adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
         raise ValueError("adamw_step: param, moments, gradient and out differ in length")
     if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError("adamw_step: the moments must be both FP32 or both BF16")
+    if programs < 0 or warps not in WARPS:
+        raise ValueError(f"adamw_step: programs must be >= 0 and warps a power of two up to 32, "
+                         f"got {programs}, {warps}")
     if not _use_triton(param):
         torch_adamw_step(param, exp_avg, exp_avg_sq, grad, out=out, lr=lr, beta1=beta1,
                          beta2=beta2, weight_decay=weight_decay, eps=eps, step=step,
                          divisor=divisor, found_inf=found_inf)
         return
-    if programs < 0 or warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"adamw_step: programs must be >= 0 and warps a power of two up to 32, "
-                         f"got {programs}, {warps}")
     bc1, block = 1 - beta1 ** step, warps * 32 * ELEMENTS_PER_THREAD
     blocks = triton.cdiv(n, block)
     _adamw_kernel[(min(blocks, programs) if programs else blocks,)](

@@ -176,13 +176,14 @@ def test_a_capped_grid_updates_as_a_program_a_block_does(programs, warps):
     assert all(torch.equal(a, b) for a, b in zip([*state, outs[0]], [*capped, outs[1]]))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")
-def test_a_grid_cap_or_program_size_out_of_range_is_refused():
-    p = torch.zeros(8, device="cuda")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)"))])
+def test_a_grid_cap_or_program_size_out_of_range_is_refused(device):
+    p = torch.zeros(8, device=device)
     for programs, warps in ((-1, 4), (0, 3), (0, 64)):
         with pytest.raises(ValueError, match="programs must be >= 0 and warps a power of two"):
             adamw_step(p, p.clone(), p.clone(), torch.zeros(8, dtype=torch.bfloat16,
-                                                           device="cuda"),
+                                                           device=device),
                        out=None, step=1, programs=programs, warps=warps, **HYPER)
 
 
@@ -191,6 +192,13 @@ def test_the_gpu_adam_bench_refuses_without_a_gpu(capsys):
     assert gpu_adam_bench(["--params", "1000"]) == 2
     err = capsys.readouterr().err
     assert err == "error: recipes.bench.gpu_adam needs a CUDA GPU\n"
+
+
+def test_the_gpu_adam_bench_refuses_a_grid_cap_or_program_size_before_allocating(capsys):
+    assert gpu_adam_bench(["--overlap", "--warps", "4", "3"]) == 2
+    assert gpu_adam_bench(["--overlap", "--programs", "0", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == 2 * "error: --programs must be >= 0 and --warps among (1, 2, 4, 8, 16, 32)\n"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the GPU machine)")

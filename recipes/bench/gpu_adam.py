@@ -28,7 +28,7 @@ import sys
 import torch
 
 from recipes.bench.cuda_timing import cuda_times
-from slidedp.gpu_adamw import adamw_step, torch_adamw_step
+from slidedp.gpu_adamw import WARPS, adamw_step, torch_adamw_step
 
 USEFUL_BYTES = 28
 MOVED_BYTES = {"one-pass kernel": 28, "torch fused + cast + copy": 40}
@@ -46,6 +46,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--programs", type=int, nargs="+", default=[0, 16, 33, 66, 132, 264])
     p.add_argument("--warps", type=int, nargs="+", default=[4, 16])
     a = p.parse_args(argv)
+    if min(a.programs) < 0 or set(a.warps) - set(WARPS):
+        print(f"error: --programs must be >= 0 and --warps among {WARPS}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: recipes.bench.gpu_adam needs a CUDA GPU", file=sys.stderr)
         return 2
