@@ -25,10 +25,17 @@ except ImportError:  # a CPU-only torch without it: torch's path serves every up
 
 ELEMENTS_PER_THREAD = 8
 """A memory-bound pass: each thread loads and stores 8 elements of each tensor."""
-BLOCK = 4 * 32 * ELEMENTS_PER_THREAD
-"""Elements per program at the default 4 warps."""
 WARPS = (1, 2, 4, 8, 16, 32)
 """The warps a program may have (`adamw_step`'s `warps`): Triton's powers of two."""
+
+
+def block_elements(warps: int) -> int:
+    """Elements per program of `warps` warps (32 threads each)."""
+    return warps * 32 * ELEMENTS_PER_THREAD
+
+
+BLOCK = block_elements(4)
+"""Elements per program at the default 4 warps."""
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -111,7 +118,7 @@ def adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
                          beta2=beta2, weight_decay=weight_decay, eps=eps, step=step,
                          divisor=divisor, found_inf=found_inf)
         return
-    bc1, block = 1 - beta1 ** step, warps * 32 * ELEMENTS_PER_THREAD
+    bc1, block = 1 - beta1 ** step, block_elements(warps)
     blocks = triton.cdiv(n, block)
     _adamw_kernel[(min(blocks, programs) if programs else blocks,)](
         param, exp_avg, exp_avg_sq, grad, out if out is not None else param,
