@@ -81,12 +81,6 @@ class SlideDPConfig(Checked):
     delivery = "sharded" on several ranks (slidedp/gpu_update.py). All of them, with
     embedding_update = "resident": the head's too, and the step's norm and clipping are taken on
     the GPU, so its updates are queued behind backward without a host sync."""
-    gpu_update_programs: Annotated[int, at_least(0)] = 0
-    """Programs in each GPU AdamW's grid (slidedp/gpu_adamw.py); 0: one per block, every SM. A
-    cap runs the GPU updates one after another on one stream, each on at most that many
-    programs: with clipping they run beside the next forward, and a capped update leaves it the
-    other SMs (`python -m recipes.bench.gpu_adam --overlap` times the trade). Needs a unit
-    updated on the GPU (gpu_state_blocks, or embedding_update != "host")."""
     bf16_shadow: bool = True
     """Keep a BF16 copy of the master weights in shared memory, written by the fused Adam pass,
     as the delivery source (half the H2D bytes; without it the FP32 master is copied and cast on

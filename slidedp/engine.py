@@ -223,8 +223,7 @@ class SlideDPBackend:
                           world=self.world)
         self._drain()
         self.cfg = cfg
-        self.flow.set_gpu_updates(gpu_updated_units(cfg, self.args.n_layers), self.traffic,
-                                  programs=cfg.gpu_update_programs)
+        self.flow.set_gpu_updates(gpu_updated_units(cfg, self.args.n_layers), self.traffic)
 
     def _pin_threads(self, update_threads: int) -> None:
         """slidedp.pin_threads (slidedp/affinity.py)."""

@@ -102,8 +102,10 @@ def adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
     skipped where `found_inf` (a device scalar) is nonzero; `out` (BF16, or None) receives the
     new `param` rounded to BF16. Issued on the current stream; `grad` is left unchanged.
     `programs` > 0 caps the kernel's grid, each program striding over blocks of `warps` warps'
-    elements, so that the update leaves the other SMs to kernels beside it (the forward's GEMMs:
-    recipes/bench/gpu_adam.py --overlap times it); 0: a program a block."""
+    elements, so that the update leaves the other SMs to kernels beside it; 0: a program a
+    block. Only recipes/bench/gpu_adam.py --overlap sets a cap, to time that trade on a GPU: the
+    runtime's updates take the full grid, which no cap beat beside the forward's GEMMs on an
+    H100 (docs/PERFORMANCE.md)."""
     n = param.numel()
     if not all(t.numel() == n for t in (exp_avg, exp_avg_sq, grad)) or (
             out is not None and out.numel() != n):

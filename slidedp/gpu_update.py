@@ -81,10 +81,6 @@ def check_gpu_updates(cfg: SlideDPConfig, *, grad_accum_steps: int, n_layers: in
                          "the GPU update of a streamed embedding carries FP32 or BF16 moments, "
                          "not 8-bit codes")
     if cfg.embedding_update == "host" and cfg.gpu_state_blocks == 0:
-        if cfg.gpu_update_programs:
-            raise ValueError("slidedp.gpu_update_programs caps the GPU updates' grid, and no unit "
-                             "updates on the GPU: set slidedp.gpu_state_blocks > 0 or "
-                             'slidedp.embedding_update = "gpu" or "resident", or leave it 0')
         return
     # The update needs the summed gradient shard on the GPU: the gpu route, one micro-batch
     # (accumulated gradients are summed on the host), FP32 master weights.
@@ -155,17 +151,15 @@ the issuing thread."""
 
 class GpuUpdate:
     """AdamW of one unit's shard (this rank's) on the GPU; one step at a time. Its units' ranges
-    of STATE_REGIONS are pinned first. Each unit has a stream of its own unless `stream` is one
-    that several share; `programs` caps the AdamW's grid (slidedp.gpu_update_programs)."""
+    of STATE_REGIONS are pinned first."""
 
     def __init__(self, state: SharedHostState, streams: Streams, hyper: AdamHyper, unit: Unit, *,
-                 rank: int, world: int, traffic: Traffic, resident: bool = False,
-                 programs: int = 0, stream: torch.cuda.Stream | None = None):
+                 rank: int, world: int, traffic: Traffic, resident: bool = False):
         self.state, self.streams, self.hyper, self.unit = state, streams, hyper, unit
-        self.traffic, self.resident, self.programs = traffic, resident, programs
+        self.traffic, self.resident = traffic, resident
         self._ahead = False  # resident: the GPU's FP32 state is newer than the host's
         self.lo, self.hi = unit.shard(rank, world)
-        self.stream = stream if stream is not None else streams.new_stream()
+        self.stream = streams.new_stream()
         self._pieces: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._home: torch.cuda.Event | None = None
         # Resident: the shard in BF16 on the GPU, and the event after its last write.
@@ -268,7 +262,7 @@ class GpuUpdate:
                 adamw_step(param, exp_avg, exp_avg_sq, grad[a - self.lo:b - self.lo], out=out,
                            lr=lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay,
                            eps=h.eps, step=step, divisor=scale.divisor,
-                           found_inf=scale.found_inf, programs=self.programs)
+                           found_inf=scale.found_inf)
                 if not self.resident:
                     self.state.unit_view(source, self.unit.index, a, b).copy_(
                         param if out is None else out, non_blocking=True)

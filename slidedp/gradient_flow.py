@@ -242,17 +242,14 @@ class GradientFlow:
                 return fut.exception()
         return None
 
-    def set_gpu_updates(self, units: dict[int, bool], traffic: Traffic, *,
-                        programs: int = 0) -> None:
+    def set_gpu_updates(self, units: dict[int, bool], traffic: Traffic) -> None:
         """The units the GPU updates (gpu_update.gpu_updated_units: resident or not), after the
-        pending updates finished; `programs` > 0 caps each update's grid and gives them one
-        stream, so that together they hold no more SMs than one (slidedp.gpu_update_programs)."""
+        pending updates finished."""
         self.state.pin_units(sorted(units), STATE_REGIONS)
-        shared = self.streams.new_stream() if programs else None
         self.gpu_updates = {
             index: GpuUpdate(self.state, self.streams, self.optimizer.hyper, self.units[index],
                              rank=self.rank, world=self.world, traffic=traffic,
-                             resident=resident, programs=programs, stream=shared)
+                             resident=resident)
             for index, resident in units.items()}
 
     def updated_on_gpu(self, unit: Unit) -> bool:

@@ -69,11 +69,6 @@ OPTIONS = [
     # Every unit resident: the norm and clipping are taken on the GPU (gpu_update.device_clip).
     Option("all-resident", {"embedding_update": "resident", "gpu_state_blocks": LAYERS,
                             "update_order": "next_use"}),
-    # Every unit resident, the updates on one stream with their grid capped
-    # (slidedp.gpu_update_programs): each strides over its blocks.
-    Option("all-resident-capped-update", {"embedding_update": "resident",
-                                          "gpu_state_blocks": LAYERS, "update_order": "next_use",
-                                          "gpu_update_programs": 8}),
     Option("resident-state-no-clipping", {"embedding_update": "resident", "gpu_state_blocks": 6},
            max_norm=0.0),
     # BF16 moments on the host, the embedding's streamed to the GPU and rounded home each step.

@@ -357,10 +357,8 @@ CASES["test_units_updated_on_the_device[clipped]"] = Case(
         {**_ON_GPU, "gpu_state_blocks": 1, "bf16_shadow": False},
         # Every unit on the device: the norm and clipping are taken there (device_clip).
         {**_RESIDENT, "gpu_state_blocks": 4, "update_order": "next_use"},
-        # Resident BF16 moments stay BF16 there (10 B/param), updated as the host's would be;
-        # the updates on one stream, each grid capped (on the CPU: the stream and cap plumbing).
-        {**_RESIDENT, "gpu_state_blocks": 4, "moments_dtype": "bfloat16",
-         "gpu_update_programs": 3}])
+        # Resident BF16 moments stay BF16 there (10 B/param), updated as the host's would be.
+        {**_RESIDENT, "gpu_state_blocks": 4, "moments_dtype": "bfloat16"}])
 CASES["test_units_updated_on_the_device[during_backward]"] = Case(
     3, "qwen2.5-debug", steps=3, accum=1, max_norm=0.0, variants=[
         {**_ON_GPU, "nonfinite": "off"},
@@ -447,8 +445,7 @@ _GPU_STATE = {"embedding_update": "host", "gpu_state_blocks": 2}
     ({**_GPU_STATE, "moments_dtype": "8bit"}, 1, "needs every unit's optimizer state at home"),
     ({"embedding_update": "resident", "moments_dtype": "8bit"}, 1,
      "needs every unit's optimizer state at home"),
-    ({"moments_dtype": "8bit"}, 1, 'moments_dtype = "8bit" needs slidedp.embedding_update = "host"'),
-    ({"embedding_update": "host", "gpu_update_programs": 8}, 1, "no unit updates on the GPU")])
+    ({"moments_dtype": "8bit"}, 1, 'moments_dtype = "8bit" needs slidedp.embedding_update = "host"')])
 def test_updates_on_the_device_refuse_what_they_cannot_serve(change, accum, said):
     """Said by the preflight check, and by the backend before it allocates anything."""
     from recipes.config import ConfigError

@@ -260,7 +260,6 @@ def _runtime_state(cfg: BenchConfig, backend, args: ModelArgs) -> dict:
             "moments_dtype": backend.state.plan.moments,
             "cpu_threads": backend.optimizer.threads, "pin_threads": cfg.slidedp.pin_threads,
             "speculative_update": cfg.slidedp.speculative_update,
-            "gpu_update_programs": cfg.slidedp.gpu_update_programs,
             "host_state_bytes_per_param": backend.state.nbytes / args.num_params()}
 
 
@@ -272,7 +271,7 @@ def _row(cfg: BenchConfig, *, args: ModelArgs, route: str, ac: str, batch: int, 
     none = dict.fromkeys(("activation_blocks", "keep_blocks", "slots", "chunk_mib",
                           "update_order", "embedding_update", "gpu_state_blocks", "runtime",
                           "bf16_shadow", "moments_dtype", "cpu_threads", "pin_threads",
-                          "speculative_update", "gpu_update_programs"))
+                          "speculative_update"))
     return {"mode": measured_mode, "label": cfg.bench.label if label is None else label,
             "flavor": flavor, "route": route, "kernels": kernels, "attention_op": attention_op,
             "ac": ac, **{**none, **slidedp},
