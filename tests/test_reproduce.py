@@ -163,11 +163,12 @@ def test_head_to_head_sets_median_launches_against_each_other():
 def test_batch_sweep_plots_one_point_per_batch():
     """Rows of several launches at the same batches plot as one line: the median launch at each
     batch (tokens/s the mean of the middle two of an even count, as the headline's median)."""
-    rows = [{"system": "s", "local_batch": b, "tokens_per_s": t} for b, t in
-            [(4, 10.0), (8, 30.0), (4, 12.0), (8, 20.0), (1, 5.0), (8, 25.0)]]
+    rows = [{"system": "s", "local_batch": b, "tokens_per_s": t, "step_time_s": 100 * b / t}
+            for b, t in [(4, 10.0), (8, 30.0), (4, 12.0), (8, 20.0), (1, 5.0), (8, 25.0)]]
     rows.append({"system": "other", "local_batch": 4, "tokens_per_s": 99.0})
     picked = batch_sweep.lines(rows)
     assert [(r["local_batch"], r["tokens_per_s"]) for r in picked["s"]] == [(1, 5.0), (4, 11.0), (8, 25.0)]
+    assert picked["s"][1]["step_time_s"] == pytest.approx((40.0 + 400 / 12) / 2)  # a median too
     assert [(r["min"], r["max"], r["launches"]) for r in picked["s"]] == [(5.0, 5.0, 1), (10.0, 12.0, 2), (20.0, 30.0, 3)]
     assert [r["tokens_per_s"] for r in picked["other"]] == [99.0]
 

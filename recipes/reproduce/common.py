@@ -338,11 +338,15 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[Column]) -> str:
     return "\n".join(lines)
 
 
+MEDIANS = ("tokens_per_s", "step_time_s", "tflops_per_gpu", "mfu")
+"""The row keys that `fastest` quotes as the median of a setting's launches."""
+
+
 def fastest(rows: Iterable[dict], key: Callable[[dict], Hashable]) -> dict[Hashable, dict]:
     """The fastest setting for each value of key(row): a system's best. A setting measured in
     several launches (rows of one system, rank count and batch) counts as its median launch's
-    row (the lower middle of an even count) with tokens/s the launches' median, as
-    recipes/bench/headline.py quotes it (the mean of the middle two of an even count), and
+    row (the lower middle of an even count) with its rates (MEDIANS) the launches' medians, as
+    recipes/bench/headline.py quotes them (the mean of the middle two of an even count), and
     `launches` and tokens/s `min`-`max` added, so that each side of a ratio is the same
     statistic however many launches it ran (docs/PERFORMANCE.md rules 3 and 6)."""
     settings: dict[Hashable, list[dict]] = defaultdict(list)
@@ -352,7 +356,9 @@ def fastest(rows: Iterable[dict], key: Callable[[dict], Hashable]) -> dict[Hasha
     for group in settings.values():
         group = sorted(group, key=lambda r: r["tokens_per_s"])
         tokens = [r["tokens_per_s"] for r in group]
-        row = {**group[(len(group) - 1) // 2], "tokens_per_s": statistics.median(tokens),
+        row = {**group[(len(group) - 1) // 2],
+               **{k: statistics.median(r[k] for r in group) for k in MEDIANS
+                  if all(r.get(k) is not None for r in group)},
                "launches": len(group), "min": tokens[0], "max": tokens[-1]}
         k = key(row)
         if k not in best or row["tokens_per_s"] > best[k]["tokens_per_s"]:
