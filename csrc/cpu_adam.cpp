@@ -65,6 +65,7 @@ struct Coeffs {
   float bc2_sqrt;       // sqrt(1 - beta2^step)
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^step)
+  bool stream_shadow;   // the BF16 output is not the gradient's memory (adam_lanes)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -118,12 +119,12 @@ inline typename Ops::V load_f32(const float* x) {
 // FP32 -> BF16 with round-to-nearest-even, as torch's .to(torch.bfloat16); NaNs stay NaN (quieted),
 // as the hardware instruction does.
 template <class Ops>
-inline void store_bf16_rne(uint16_t* dst, typename Ops::V x) {
+inline typename Ops::H to_bf16_rne(typename Ops::V x) {
   using U = typename Ops::U;
   const U bits = __builtin_bit_cast(U, x);
   const U rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   const U quiet_nan = (bits >> 16) | 0x40u;
-  store(dst, convert<typename Ops::H>(U(x != x ? quiet_nan : rounded)));
+  return convert<typename Ops::H>(U(x != x ? quiet_nan : rounded));
 }
 
 struct ScalarOps {
@@ -136,7 +137,8 @@ struct ScalarOps {
   static V sqrt(V x) { return __builtin_sqrtf(x); }
   static V gather(const float* table, U index) { return table[index]; }
   static V fma(V a, V x, V y) { return __builtin_fmaf(a, x, y); }
-  static void store_bf16(uint16_t* dst, V x) { store_bf16_rne<ScalarOps>(dst, x); }
+  static void store_bf16(uint16_t* dst, V x) { store(dst, to_bf16_rne<ScalarOps>(x)); }
+  static void stream_bf16(uint16_t* dst, V x) { store_bf16(dst, x); }
 };
 
 // FP32 lanes to FP32 or BF16 memory (the params or the moments), BF16 rounded by Ops::store_bf16.
@@ -155,6 +157,18 @@ inline void store_f32(uint16_t* dst, typename Ops::V x) {
 #define SLIDEDP_AVX512 __attribute__((target("avx512f")))
 #define SLIDEDP_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
+// One vector of the BF16 shadow: a non-temporal store where dst is aligned for it (adam_lanes
+// says why), else a plain one.
+SLIDEDP_AVX2 inline void stream_vector(uint16_t* dst, u16x8 h) {
+  if (reinterpret_cast<uintptr_t>(dst) % sizeof(h) != 0) return store(dst, h);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst), __builtin_bit_cast(__m128i, h));
+}
+
+SLIDEDP_AVX512 inline void stream_vector(uint16_t* dst, u16x16 h) {
+  if (reinterpret_cast<uintptr_t>(dst) % sizeof(h) != 0) return store(dst, h);
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), __builtin_bit_cast(__m256i, h));
+}
+
 struct Avx2Ops {
   using V = f32x8;
   using U = u32x8;
@@ -167,7 +181,8 @@ struct Avx2Ops {
     return _mm256_i32gather_ps(table, __builtin_bit_cast(__m256i, index), 4);
   }
   SLIDEDP_AVX2 static V fma(V a, V x, V y) { return _mm256_fmadd_ps(a, x, y); }
-  SLIDEDP_AVX2 static void store_bf16(uint16_t* dst, V x) { store_bf16_rne<Avx2Ops>(dst, x); }
+  SLIDEDP_AVX2 static void store_bf16(uint16_t* dst, V x) { store(dst, to_bf16_rne<Avx2Ops>(x)); }
+  SLIDEDP_AVX2 static void stream_bf16(uint16_t* dst, V x) { stream_vector(dst, to_bf16_rne<Avx2Ops>(x)); }
 };
 
 struct Avx512Ops {
@@ -178,7 +193,8 @@ struct Avx512Ops {
   static constexpr int64_t kWidth = 16;
   SLIDEDP_AVX512 static V sqrt(V x) { return _mm512_sqrt_ps(x); }
   SLIDEDP_AVX512 static V fma(V a, V x, V y) { return _mm512_fmadd_ps(a, x, y); }
-  SLIDEDP_AVX512 static void store_bf16(uint16_t* dst, V x) { store_bf16_rne<Avx512Ops>(dst, x); }
+  SLIDEDP_AVX512 static void store_bf16(uint16_t* dst, V x) { store(dst, to_bf16_rne<Avx512Ops>(x)); }
+  SLIDEDP_AVX512 static void stream_bf16(uint16_t* dst, V x) { stream_vector(dst, to_bf16_rne<Avx512Ops>(x)); }
   // Table lookups in registers: a gather costs more than the whole update of its lanes on some
   // CPUs, and every 8-bit element needs two lookups and two searches.
   static constexpr bool kPermute = true;
@@ -233,15 +249,16 @@ struct Avx512Ops {
 struct Avx512Bf16Ops : Avx512Ops {
   // vcvtneps2bf16 rounds to nearest even but treats denormal inputs as zero; torch keeps them, so
   // a vector holding one (never seen in real weights) takes the integer path.
-  SLIDEDP_AVX512BF16 static void store_bf16(uint16_t* dst, V x) {
+  SLIDEDP_AVX512BF16 static H to_bf16(V x) {
     const __m512i bits = _mm512_castps_si512(x);
     const __mmask16 zero_exponent = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7F800000));
     if (__builtin_expect(_mm512_mask_test_epi32_mask(zero_exponent, bits, _mm512_set1_epi32(0x007FFFFF)), 0)) {
-      store_bf16_rne<Avx512Ops>(dst, x);
-      return;
+      return to_bf16_rne<Avx512Ops>(x);
     }
-    store(dst, _mm512_cvtneps_pbh(x));
+    return __builtin_bit_cast(H, _mm512_cvtneps_pbh(x));
   }
+  SLIDEDP_AVX512BF16 static void store_bf16(uint16_t* dst, V x) { store(dst, to_bf16(x)); }
+  SLIDEDP_AVX512BF16 static void stream_bf16(uint16_t* dst, V x) { stream_vector(dst, to_bf16(x)); }
 };
 #endif  // __x86_64__
 
@@ -268,8 +285,16 @@ inline void adam_lanes(const Coeffs& c, ParamT* p, const GradT* g, MomentT* m, M
   store_f32<Ops>(p, param);
   store_f32<Ops>(m, exp_avg);
   store_f32<Ops>(v, exp_avg_sq);
+  // The BF16 output is read next by the GPU's copy, not by this pass. Apart from the gradient it
+  // is streamed: that skips the read-for-ownership a plain store costs (2 of the 30 bytes per
+  // parameter that cross the memory bus otherwise). Over the gradient (SlideDP's shadow holding
+  // it) the line was just read, and a plain store writes it back without a second read.
   if constexpr (kBf16Out) {
-    Ops::store_bf16(out, param);
+    if (c.stream_shadow) {
+      Ops::stream_bf16(out, param);
+    } else {
+      Ops::store_bf16(out, param);
+    }
   }
 }
 
@@ -679,6 +704,7 @@ int slidedp_cpu_adam_update(int isa, void* param, int param_is_bf16, const void*
   c.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
   c.eps = static_cast<float>(eps);
   c.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))));
+  c.stream_shadow = bf16_out != nullptr && static_cast<const void*>(bf16_out) != grad;
 
   const bool q8 = moment_format == kMoments8bit;
   const RangeFn fn = q8 ? nullptr
@@ -715,6 +741,9 @@ int slidedp_cpu_adam_update(int isa, void* param, int param_is_bf16, const void*
            exp_avg_sq_bytes + lo * moment_size, out, len);
       }
     }
+#if defined(__x86_64__)
+    if (c.stream_shadow) _mm_sfence();  // the output's streaming stores land before the job is done
+#endif
   };
   g_pool->run(workers(num_threads, num_blocks), job);
   return 0;
@@ -774,7 +803,7 @@ double slidedp_grad_accumulate(float* acc, const void* src, int src_is_bf16, int
 // through the same threads rather than torch's. On x86 `a` is written with non-temporal stores,
 // as STREAM is built with streaming stores on: STREAM does not count the write-allocate read of
 // `a`, so with plain stores the figure would understate the memory's bandwidth by up to a quarter
-// (our Adam writes only lines it has just read, which need no such read).
+// (our Adam writes lines it has just read, which need no such read, and streams any other).
 void slidedp_stream_triad(double* a, const double* b, const double* c, double scalar, int64_t n,
                           int num_threads) {
   const int64_t num_blocks = (n + kBlock - 1) / kBlock;

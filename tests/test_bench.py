@@ -302,3 +302,16 @@ def test_headline_is_the_median_of_launches_and_refuses_rows_that_did_not_train(
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(SystemExit, match="1 of 4 rows refused"):
         headline.best_point(str(out), mode="fsdp2", label="sweep")
+
+def test_the_stream_bench_times_the_update_in_both_layouts():
+    """recipes.bench.stream's row: the pool's triad, the update with its output apart from the
+    gradient and in the runtime's layout (the gradient in the shadow), each against the triad."""
+    from recipes.bench.cpu_adam import Workload
+    from recipes.bench.stream import describe, measure
+
+    row = measure(1, elements=50_000, repeats=2, openmp=False, work=Workload(40_000))
+    for key in ("pool_best_gbs", "adam_best_gbs", "adam_in_shadow_best_gbs", "adam_pinned_best_gbs"):
+        assert row[key] > 0, key
+    assert row["adam_over_triad"] == pytest.approx(row["adam_best_gbs"] / row["pool_best_gbs"])
+    assert row["adam_in_shadow_over_triad"] == pytest.approx(row["adam_in_shadow_best_gbs"] / row["pool_best_gbs"])
+    assert "gradient in the shadow" in describe(row)

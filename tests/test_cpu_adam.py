@@ -168,6 +168,24 @@ def test_bf16_output_over_its_own_gradient(isa):
     _assert_margins_untouched(shared)
 
 
+@pytest.mark.parametrize("offset", [0, 8, 5], ids=["32-byte", "16-byte", "2-byte"])
+def test_bf16_output_at_each_alignment(isa, offset):
+    """An output apart from the gradient is written with streaming stores where a whole vector's
+    address allows them (32 bytes for AVX-512's 16 lanes, 16 for AVX2's 8) and plain ones
+    elsewhere: the same bits, and nothing outside its slice, at every alignment."""
+    n = 2 * 32768 + 7
+    views = _views(n, grad_dtype=torch.bfloat16, seed=9)
+    base = torch.full((n + 64,), SENTINEL, dtype=torch.bfloat16)
+    assert base.data_ptr() % 64 == 0  # so offset 0 is the aligned case the kernel streams
+    out = base[offset:offset + n]
+    views["grad"].copy_(torch.randn(n, generator=torch.Generator().manual_seed(3)))
+    cpu_adam.adam_update(views["param"], views["grad"], views["exp_avg"], views["exp_avg_sq"], step=1,
+                         lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bf16_out=out,
+                         num_threads=3)
+    assert torch.equal(_bits(out), _bits(views["param"].to(torch.bfloat16)))
+    assert torch.all(base[:offset] == SENTINEL) and torch.all(base[offset + n:] == SENTINEL)
+
+
 @MOMENT_DTYPES
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16_grad", "fp32_grad"])
 def test_bf16_params_updated_in_place(isa, grad_dtype, moment_dtype):

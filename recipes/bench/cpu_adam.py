@@ -90,6 +90,11 @@ class Workload:
     def ours(self, threads: int) -> None:
         self._kernel_step(self.param, self.grad, threads, bf16_out=self.bf16_out)
 
+    def ours_in_shadow(self, threads: int) -> None:
+        """The runtime's layout with a BF16 shadow: the gradient waits in the shadow, which the
+        update overwrites with the weights (slidedp/holds.py)."""
+        self._kernel_step(self.param, self.bf16_out, threads, bf16_out=self.bf16_out)
+
     def torch_fused(self) -> None:
         self.torch_param.grad.copy_(self.grad)
         self.torch_opt.step()

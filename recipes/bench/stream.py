@@ -4,8 +4,9 @@ update is measured against: for each thread count the standalone OpenMP triad
 schedule and under dynamic chunks, the triad on our CPU Adam's
 thread pool, and with --adam our fused AdamW (recipes/bench/cpu_adam.py's workload, 28 bytes per
 parameter) on as many threads, each as the best and the median of --repeats timed runs, and the
-update's best over the best standalone triad's (docs/PERFORMANCE.md rule 8), and the update
-again with its helpers pinned one per core (slidedp.pin_threads).
+update's best over the best standalone triad's (docs/PERFORMANCE.md rule 8), the update in the
+runtime's layout (the gradient waiting in the BF16 shadow it overwrites), and the update again
+with its helpers pinned one per core (slidedp.pin_threads).
 
     python -m recipes.bench.stream --threads 8,16 --repeats 10 --adam [--json out.json]
 
@@ -47,6 +48,12 @@ def measure(threads: int, *, elements: int, repeats: int, openmp: bool,
         # Rule 8: the same statistic on both sides; the pool's triad where OpenMP is missing.
         triad_gbs = row.get("triad_best_gbs", row["pool_best_gbs"])
         row["adam_over_triad"] = row["adam_best_gbs"] / triad_gbs
+        # The runtime's layout, the gradient in the shadow: the same bytes, none of them the
+        # read-for-ownership of an output apart from the gradient (csrc/cpu_adam.cpp adam_lanes).
+        seconds = timed_runs(lambda: work.ours_in_shadow(threads), repeats)
+        row["adam_in_shadow_best_gbs"], row["adam_in_shadow_median_gbs"] = _best_median(
+            work.n * ADAM_BYTES_PER_PARAM, seconds)
+        row["adam_in_shadow_over_triad"] = row["adam_in_shadow_best_gbs"] / triad_gbs
         # The same update with each helper pinned to a core (slidedp.pin_threads; this thread
         # stays on every core), unpinned again for the next row.
         where = affinity.placement(sorted(os.sched_getaffinity(0)), update_threads=threads)
@@ -67,7 +74,9 @@ def describe(row: dict) -> str:
     if "adam_best_gbs" in row:
         against = f"openmp {row['triad_mode']}" if "triad_mode" in row else "pool"
         parts.append(f"adam {row['adam_best_gbs']:6.1f} / {row['adam_median_gbs']:6.1f} "
-                     f"= {row['adam_over_triad']:.2f}x the {against} triad; pinned "
+                     f"= {row['adam_over_triad']:.2f}x the {against} triad; gradient in the shadow "
+                     f"{row['adam_in_shadow_best_gbs']:6.1f} / {row['adam_in_shadow_median_gbs']:6.1f} "
+                     f"= {row['adam_in_shadow_over_triad']:.2f}x; pinned "
                      f"{row['adam_pinned_best_gbs']:6.1f} / {row['adam_pinned_median_gbs']:6.1f}")
     return "  ".join(parts)
 
