@@ -305,13 +305,22 @@ def test_headline_is_the_median_of_launches_and_refuses_rows_that_did_not_train(
 
 def test_the_stream_bench_times_the_update_in_both_layouts():
     """recipes.bench.stream's row: the pool's triad, the update with its output apart from the
-    gradient and in the runtime's layout (the gradient in the shadow), each against the triad."""
+    gradient, in the runtime's layout (the gradient in the shadow) and on a memfd and on huge-page
+    hinted memory, each against the triad; the memory the last two run on holds the update."""
     from recipes.bench.cpu_adam import Workload
-    from recipes.bench.stream import describe, measure
+    from recipes.bench.stream import BACKINGS, HUGE, backed_arrays, backed_update_seconds, describe, measure
 
     row = measure(1, elements=50_000, repeats=2, openmp=False, work=Workload(40_000))
-    for key in ("pool_best_gbs", "adam_best_gbs", "adam_in_shadow_best_gbs", "adam_pinned_best_gbs"):
+    for key in ("pool_best_gbs", "adam_best_gbs", "adam_in_shadow_best_gbs", "adam_memfd_best_gbs",
+                "adam_thp_best_gbs", "adam_pinned_best_gbs"):
         assert row[key] > 0, key
     assert row["adam_over_triad"] == pytest.approx(row["adam_best_gbs"] / row["pool_best_gbs"])
     assert row["adam_in_shadow_over_triad"] == pytest.approx(row["adam_in_shadow_best_gbs"] / row["pool_best_gbs"])
-    assert "gradient in the shadow" in describe(row)
+    assert "gradient in the shadow" in describe(row) and "on thp" in describe(row)
+    for backing in BACKINGS:
+        arrays = backed_arrays(3000, backing)
+        for name, t in arrays.items():
+            assert t.numel() == 3000 and t.data_ptr() % HUGE == arrays["param"].data_ptr() % HUGE, name
+        backed_update_seconds(arrays, threads=1, repeats=1)
+        want = arrays["param"].to(torch.bfloat16)
+        assert torch.equal(arrays["bf16_out"], want) and not torch.equal(arrays["exp_avg"], torch.zeros(3000))

@@ -5,8 +5,10 @@ schedule and under dynamic chunks, the triad on our CPU Adam's
 thread pool, and with --adam our fused AdamW (recipes/bench/cpu_adam.py's workload, 28 bytes per
 parameter) on as many threads, each as the best and the median of --repeats timed runs, and the
 update's best over the best standalone triad's (docs/PERFORMANCE.md rule 8), the update in the
-runtime's layout (the gradient waiting in the BF16 shadow it overwrites), and the update again
-with its helpers pinned one per core (slidedp.pin_threads).
+runtime's layout (the gradient waiting in the BF16 shadow it overwrites), the update on a memfd
+mapped shared (as the runtime's host state) and on anonymous memory with MADV_HUGEPAGE (as the
+OpenMP triad's arrays), and the update again with its helpers pinned one per core
+(slidedp.pin_threads). The kernel's THP modes are recorded with the rows.
 
     python -m recipes.bench.stream --threads 8,16 --repeats 10 --adam [--json out.json]
 
@@ -16,8 +18,12 @@ them. Without a C compiler with OpenMP only the pool's triad is printed.
 
 import argparse
 import json
+import mmap
 import os
 import statistics
+from pathlib import Path
+
+import torch
 
 from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, Workload, _cpu_name, timed_runs
 from slidedp import affinity, cpu_adam, native_build
@@ -27,6 +33,61 @@ from slidedp.plan.triad import (TRIAD_BYTES_PER_ELEM, default_elements, last_lev
 
 def _best_median(nbytes: float, seconds: list[float]) -> tuple[float, float]:
     return nbytes / min(seconds) / 1e9, nbytes / statistics.median(seconds) / 1e9
+
+
+BACKINGS = ("memfd", "thp")
+"""The update's memory besides torch's allocator: a memfd mapped shared, as slidedp/host_state.py
+maps the training state; anonymous memory with MADV_HUGEPAGE, as the OpenMP triad's arrays."""
+
+HUGE = 2 << 20  # a transparent huge page
+
+
+def transparent_huge_pages() -> dict[str, str]:
+    """The kernel's THP modes (the bracketed word of each sysfs file), for anonymous and shared
+    memory: MADV_HUGEPAGE takes effect only where the mode is `madvise`/`advise` or broader."""
+    modes = {}
+    for name in ("enabled", "shmem_enabled"):
+        path = Path("/sys/kernel/mm/transparent_hugepage") / name
+        text = path.read_text() if path.exists() else ""
+        modes[name] = text.split("[")[1].split("]")[0] if "[" in text else "unknown"
+    return modes
+
+
+def backed_arrays(n: int, backing: str) -> dict[str, torch.Tensor]:
+    """The update's five arrays (FP32 param and moments, BF16 gradient and output) of n elements,
+    each at a huge-page boundary of one mapping of `backing` (BACKINGS)."""
+    sizes = {"param": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 2, "bf16_out": 2}
+    spans = {name: -(-n * size // HUGE) * HUGE for name, size in sizes.items()}
+    total = sum(spans.values())
+    if backing == "memfd":
+        fd = os.memfd_create("slidedp-stream", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, total)
+            memory = mmap.mmap(fd, total, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+    else:
+        memory = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(memory, dtype=torch.uint8)  # holds a reference to the mapping
+    arrays, offset = {}, 0
+    for name, size in sizes.items():
+        dtype = torch.float32 if size == 4 else torch.bfloat16
+        arrays[name] = raw[offset:offset + n * size].view(dtype)
+        offset += spans[name]
+    arrays["grad"].copy_(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+    return arrays
+
+
+def backed_update_seconds(arrays: dict[str, torch.Tensor], threads: int, repeats: int) -> list[float]:
+    """`timed_runs` of the update (its output apart from the gradient) on `backed_arrays`."""
+    steps = iter(range(1, repeats + 2))
+
+    def step() -> None:
+        cpu_adam.adam_update(arrays["param"], arrays["grad"], arrays["exp_avg"], arrays["exp_avg_sq"],
+                             step=next(steps), lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                             bf16_out=arrays["bf16_out"], num_threads=threads)
+    return timed_runs(step, repeats)
 
 
 def measure(threads: int, *, elements: int, repeats: int, openmp: bool,
@@ -54,6 +115,12 @@ def measure(threads: int, *, elements: int, repeats: int, openmp: bool,
         row["adam_in_shadow_best_gbs"], row["adam_in_shadow_median_gbs"] = _best_median(
             work.n * ADAM_BYTES_PER_PARAM, seconds)
         row["adam_in_shadow_over_triad"] = row["adam_in_shadow_best_gbs"] / triad_gbs
+        # The same update on other memory: the page size and sharing the runtime's state has.
+        for backing in BACKINGS:
+            best, median = _best_median(work.n * ADAM_BYTES_PER_PARAM,
+                                        backed_update_seconds(backed_arrays(work.n, backing), threads, repeats))
+            row[f"adam_{backing}_best_gbs"], row[f"adam_{backing}_median_gbs"] = best, median
+            row[f"adam_{backing}_over_triad"] = best / triad_gbs
         # The same update with each helper pinned to a core (slidedp.pin_threads; this thread
         # stays on every core), unpinned again for the next row.
         where = affinity.placement(sorted(os.sched_getaffinity(0)), update_threads=threads)
@@ -76,7 +143,10 @@ def describe(row: dict) -> str:
         parts.append(f"adam {row['adam_best_gbs']:6.1f} / {row['adam_median_gbs']:6.1f} "
                      f"= {row['adam_over_triad']:.2f}x the {against} triad; gradient in the shadow "
                      f"{row['adam_in_shadow_best_gbs']:6.1f} / {row['adam_in_shadow_median_gbs']:6.1f} "
-                     f"= {row['adam_in_shadow_over_triad']:.2f}x; pinned "
+                     f"= {row['adam_in_shadow_over_triad']:.2f}x; "
+                     + "".join(f"on {b} {row[f'adam_{b}_best_gbs']:6.1f} / {row[f'adam_{b}_median_gbs']:6.1f} "
+                               f"= {row[f'adam_{b}_over_triad']:.2f}x; " for b in BACKINGS)
+                     + "pinned "
                      f"{row['adam_pinned_best_gbs']:6.1f} / {row['adam_pinned_median_gbs']:6.1f}")
     return "  ".join(parts)
 
@@ -103,7 +173,8 @@ def main() -> None:
             "last_level_cache_bytes": last_level_cache_bytes(), "elements": elements,
             "repeats": args.repeats, "openmp_triad": binary,
             "omp_proc_bind": os.environ.get("OMP_PROC_BIND", "close"),
-            "omp_places": os.environ.get("OMP_PLACES", "cores")}
+            "omp_places": os.environ.get("OMP_PLACES", "cores"),
+            "transparent_huge_pages": transparent_huge_pages()}
     work = None
     if args.adam:
         work = Workload(int(args.params))
