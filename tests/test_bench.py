@@ -317,6 +317,7 @@ def test_the_stream_bench_times_the_update_in_both_layouts():
     assert row["adam_over_triad"] == pytest.approx(row["adam_best_gbs"] / row["pool_best_gbs"])
     assert row["adam_in_shadow_over_triad"] == pytest.approx(row["adam_in_shadow_best_gbs"] / row["pool_best_gbs"])
     assert "gradient in the shadow" in describe(row) and "on thp" in describe(row)
+    assert all(0 <= row[f"adam_{b}_huge_page_share"] <= 1.01 for b in BACKINGS)
     for backing in BACKINGS:
         arrays = backed_arrays(3000, backing)
         for name, t in arrays.items():

@@ -53,12 +53,35 @@ def transparent_huge_pages() -> dict[str, str]:
     return modes
 
 
+def huge_page_kib() -> int:
+    """KiB of this process's memory mapped with huge pages, anonymous and shared (0 where
+    /proc/self/smaps_rollup is missing): what MADV_HUGEPAGE actually got."""
+    path = Path("/proc/self/smaps_rollup")
+    if not path.exists():
+        return 0
+    fields = dict(line.split(":", 1) for line in path.read_text().splitlines() if ":" in line)
+    return sum(int(fields.get(name, "0 kB").split()[0]) for name in ("AnonHugePages", "ShmemPmdMapped"))
+
+
+ARRAY_BYTES = {"param": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 2, "bf16_out": 2}
+"""The update's five arrays and their bytes per element: FP32 param and moments, BF16 gradient
+and output."""
+
+
+def _span(n: int, size: int) -> int:
+    """n elements of `size` bytes, rounded up to whole huge pages."""
+    return -(-n * size // HUGE) * HUGE
+
+
+def mapping_bytes(n: int) -> int:
+    """The bytes of `backed_arrays(n, ...)`'s one mapping."""
+    return sum(_span(n, size) for size in ARRAY_BYTES.values())
+
+
 def backed_arrays(n: int, backing: str) -> dict[str, torch.Tensor]:
-    """The update's five arrays (FP32 param and moments, BF16 gradient and output) of n elements,
-    each at a huge-page boundary of one mapping of `backing` (BACKINGS)."""
-    sizes = {"param": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 2, "bf16_out": 2}
-    spans = {name: -(-n * size // HUGE) * HUGE for name, size in sizes.items()}
-    total = sum(spans.values())
+    """ARRAY_BYTES' arrays of n elements, each at a huge-page boundary of one mapping of
+    `backing` (BACKINGS)."""
+    total = mapping_bytes(n)
     if backing == "memfd":
         fd = os.memfd_create("slidedp-stream", os.MFD_CLOEXEC)
         try:
@@ -71,10 +94,10 @@ def backed_arrays(n: int, backing: str) -> dict[str, torch.Tensor]:
         memory.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(memory, dtype=torch.uint8)  # holds a reference to the mapping
     arrays, offset = {}, 0
-    for name, size in sizes.items():
+    for name, size in ARRAY_BYTES.items():
         dtype = torch.float32 if size == 4 else torch.bfloat16
         arrays[name] = raw[offset:offset + n * size].view(dtype)
-        offset += spans[name]
+        offset += _span(n, size)
     arrays["grad"].copy_(torch.randn(n, generator=torch.Generator().manual_seed(0)))
     return arrays
 
@@ -117,10 +140,14 @@ def measure(threads: int, *, elements: int, repeats: int, openmp: bool,
         row["adam_in_shadow_over_triad"] = row["adam_in_shadow_best_gbs"] / triad_gbs
         # The same update on other memory: the page size and sharing the runtime's state has.
         for backing in BACKINGS:
+            before = huge_page_kib()
+            arrays = backed_arrays(work.n, backing)
             best, median = _best_median(work.n * ADAM_BYTES_PER_PARAM,
-                                        backed_update_seconds(backed_arrays(work.n, backing), threads, repeats))
+                                        backed_update_seconds(arrays, threads, repeats))
             row[f"adam_{backing}_best_gbs"], row[f"adam_{backing}_median_gbs"] = best, median
             row[f"adam_{backing}_over_triad"] = best / triad_gbs
+            row[f"adam_{backing}_huge_page_share"] = (huge_page_kib() - before) * 1024 / mapping_bytes(work.n)
+            del arrays
         # The same update with each helper pinned to a core (slidedp.pin_threads; this thread
         # stays on every core), unpinned again for the next row.
         where = affinity.placement(sorted(os.sched_getaffinity(0)), update_threads=threads)
@@ -145,7 +172,8 @@ def describe(row: dict) -> str:
                      f"{row['adam_in_shadow_best_gbs']:6.1f} / {row['adam_in_shadow_median_gbs']:6.1f} "
                      f"= {row['adam_in_shadow_over_triad']:.2f}x; "
                      + "".join(f"on {b} {row[f'adam_{b}_best_gbs']:6.1f} / {row[f'adam_{b}_median_gbs']:6.1f} "
-                               f"= {row[f'adam_{b}_over_triad']:.2f}x; " for b in BACKINGS)
+                               f"= {row[f'adam_{b}_over_triad']:.2f}x ({row[f'adam_{b}_huge_page_share']:.0%} "
+                               "in huge pages); " for b in BACKINGS)
                      + "pinned "
                      f"{row['adam_pinned_best_gbs']:6.1f} / {row['adam_pinned_median_gbs']:6.1f}")
     return "  ".join(parts)
