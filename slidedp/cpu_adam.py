@@ -222,7 +222,8 @@ def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     decay. step counts from 1 (after the increment). bf16_out, when given, receives the updated
     params rounded to bf16 (round-to-nearest-even); it may be the very memory of a bf16 grad (each
     element's gradient is read before its output is written: SlideDP's shadow holds the gradient
-    until the update overwrites it with the weights). num_threads defaults to
+    until the update overwrites it with the weights); apart from the gradient it is written with
+    non-temporal stores on x86, which skip reading its lines first. num_threads defaults to
     `default_num_threads()`.
     """
     n = param.numel()
