@@ -79,7 +79,7 @@ def test_the_platforms_of_the_paper_have_configs():
 
 def test_shipped_rates_files_say_where_their_figures_come_from():
     names = {p.stem for p in SHIPPED.glob("*.json")}
-    assert {"h200", "h200x2", "rtx4090x4", "a800x8_nvlink", "a800x8_pcie", "h100x4"} <= names
+    assert {"h200", "h200x2", "h100", "rtx4090x4", "a800x8_nvlink", "a800x8_pcie", "h100x4"} <= names
     for name in names:
         machine = load_rates(name).machine
         assert machine.source in ("recorded", "spec") and len(machine.note) > 100
