@@ -6,9 +6,10 @@ thread pool, and with --adam our fused AdamW (recipes/bench/cpu_adam.py's worklo
 parameter) on as many threads, each as the best and the median of --repeats timed runs, and the
 update's best over the best standalone triad's (docs/PERFORMANCE.md rule 8), the update in the
 runtime's layout (the gradient waiting in the BF16 shadow it overwrites), the update on a memfd
-mapped shared (as the runtime's host state) and on anonymous memory with MADV_HUGEPAGE (as the
-OpenMP triad's arrays), and the update again with its helpers pinned one per core
-(slidedp.pin_threads). The kernel's THP modes are recorded with the rows.
+mapped shared (as the runtime's host state) without and with MADV_HUGEPAGE and on anonymous
+memory with it (as the OpenMP triad's arrays), each with the share of its mapping that huge pages
+back, and the update again with its helpers pinned one per core (slidedp.pin_threads). The
+kernel's THP modes are recorded with the rows.
 
     python -m recipes.bench.stream --threads 8,16 --repeats 10 --adam [--json out.json]
 
@@ -35,9 +36,11 @@ def _best_median(nbytes: float, seconds: list[float]) -> tuple[float, float]:
     return nbytes / min(seconds) / 1e9, nbytes / statistics.median(seconds) / 1e9
 
 
-BACKINGS = ("memfd", "thp")
+BACKINGS = ("memfd", "memfd-thp", "thp")
 """The update's memory besides torch's allocator: a memfd mapped shared, as slidedp/host_state.py
-maps the training state; anonymous memory with MADV_HUGEPAGE, as the OpenMP triad's arrays."""
+maps the training state, without and with MADV_HUGEPAGE (shared memory gets huge pages only where
+the kernel's shmem_enabled allows them); anonymous memory with MADV_HUGEPAGE, as the OpenMP
+triad's arrays."""
 
 HUGE = 2 << 20  # a transparent huge page
 
@@ -82,7 +85,7 @@ def backed_arrays(n: int, backing: str) -> dict[str, torch.Tensor]:
     """ARRAY_BYTES' arrays of n elements, each at a huge-page boundary of one mapping of
     `backing` (BACKINGS)."""
     total = mapping_bytes(n)
-    if backing == "memfd":
+    if backing.startswith("memfd"):
         fd = os.memfd_create("slidedp-stream", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, total)
@@ -91,6 +94,7 @@ def backed_arrays(n: int, backing: str) -> dict[str, torch.Tensor]:
             os.close(fd)
     else:
         memory = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if backing.endswith("thp"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(memory, dtype=torch.uint8)  # holds a reference to the mapping
     arrays, offset = {}, 0
