@@ -303,6 +303,7 @@ def test_headline_is_the_median_of_launches_and_refuses_rows_that_did_not_train(
     with pytest.raises(SystemExit, match="1 of 4 rows refused"):
         headline.best_point(str(out), mode="fsdp2", label="sweep")
 
+
 def test_the_stream_bench_times_the_update_in_both_layouts():
     """recipes.bench.stream's row: the pool's triad, the update with its output apart from the
     gradient, in the runtime's layout (the gradient in the shadow) and on a memfd and on huge-page

@@ -36,6 +36,8 @@ COPY_BYTES_PER_ELEM = 8  # fp32 read + write
 BF16_MASTER_BYTES_PER_PARAM = 24  # read + write bf16 p (4), m, v (16); read fp32 g (4)
 BF16_MOMENTS_BYTES_PER_PARAM = 20  # read + write p (8), bf16 m, v (8); bf16 g in (2), bf16 p out (2)
 MOMENTS_8BIT_BYTES_PER_PARAM = 16  # read + write p (8), m, v codes (4); bf16 g in (2), bf16 p out (2)
+HYPER = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+"""adam_update's hyper-parameters in every timed step here and in recipes/bench/stream.py."""
 
 
 def timed_runs(fn: Callable[[], None], repeats: int) -> list[float]:
@@ -84,8 +86,8 @@ class Workload:
         """One step; `moments` are adam_update's moment arguments (default: the FP32 ones)."""
         self.steps += 1
         moments = moments or {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        cpu_adam.adam_update(param, grad, **moments, step=self.steps, lr=1e-4, beta1=0.9,
-                             beta2=0.95, eps=1e-8, weight_decay=0.1, bf16_out=bf16_out, num_threads=threads)
+        cpu_adam.adam_update(param, grad, **moments, step=self.steps, **HYPER, bf16_out=bf16_out,
+                             num_threads=threads)
 
     def ours(self, threads: int) -> None:
         self._kernel_step(self.param, self.grad, threads, bf16_out=self.bf16_out)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, Workload, _cpu_name, timed_runs
+from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, HYPER, Workload, _cpu_name, timed_runs
 from slidedp import affinity, cpu_adam, native_build
 from slidedp.plan.triad import (TRIAD_BYTES_PER_ELEM, default_elements, last_level_cache_bytes,
                                 openmp_triad_binary, openmp_triads, pool_triad_seconds)
@@ -112,8 +112,7 @@ def backed_update_seconds(arrays: dict[str, torch.Tensor], threads: int, repeats
 
     def step() -> None:
         cpu_adam.adam_update(arrays["param"], arrays["grad"], arrays["exp_avg"], arrays["exp_avg_sq"],
-                             step=next(steps), lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                             bf16_out=arrays["bf16_out"], num_threads=threads)
+                             step=next(steps), **HYPER, bf16_out=arrays["bf16_out"], num_threads=threads)
     return timed_runs(step, repeats)
 
 
