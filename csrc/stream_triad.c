@@ -3,7 +3,7 @@
 //
 //   cc -O3 -march=native -fopenmp stream_triad.c -o stream_triad
 //   export OMP_NUM_THREADS=16 OMP_PROC_BIND=close OMP_PLACES=cores
-//   ./stream_triad ELEMENTS [REPEATS=10] [plain|nt] [static|dynamic]
+//   ./stream_triad ELEMENTS [REPEATS=10] [plain|nt] [static|dynamic] [triad|swap]
 //
 // a[i] = b[i] + s * c[i] over three FP64 arrays of ELEMENTS each, STREAM's rules: the arrays are
 // first touched by the threads that later use them (a static schedule, the triad's own unless
@@ -12,6 +12,10 @@
 // read of a is not counted). `nt` writes a with non-temporal stores, which skip that read.
 // `dynamic` hands the timed loop out in chunks of 32 Ki elements, as our CPU Adam's pool does: on
 // a VM whose vCPUs run unevenly a static split waits for the slowest one. Prints one JSON line.
+//
+// `swap` exchanges a and b in place instead (plain stores only), 32 bytes per element: as many
+// bytes written as read, each written line the one just read, which is the CPU AdamW's traffic
+// (master and moments updated in place): the same mix, without its arithmetic.
 
 #include <errno.h>
 #include <omp.h>
@@ -27,7 +31,8 @@
 
 #define ALIGN (2u << 20)   // huge-page aligned, so each array can be backed by 2 MiB pages
 #define BLOCK 8            // elements per scheduled unit: one 64-byte line, whole vectors
-#define BYTES_PER_ELEM 24  // STREAM's count for the triad
+#define TRIAD_BYTES 24     // STREAM's count for the triad
+#define SWAP_BYTES 32      // a and b each read and written
 #define SCALAR 3.0
 #define DYNAMIC_CHUNK 4096  // blocks: 32 Ki elements, csrc/cpu_adam.cpp's kBlock
 
@@ -38,7 +43,7 @@
 #endif
 
 static void fail(const char* message) {
-  fprintf(stderr, "stream_triad: %s\nusage: stream_triad ELEMENTS [REPEATS=10] [plain|nt] [static|dynamic]\n",
+  fprintf(stderr, "stream_triad: %s\nusage: stream_triad ELEMENTS [REPEATS=10] [plain|nt] [static|dynamic] [triad|swap]\n",
           message);
   exit(2);
 }
@@ -118,7 +123,31 @@ static void triad(double* restrict a, const double* restrict b, const double* re
   }
 }
 
-static void run_once(double* a, const double* b, const double* c, int64_t n, int nt) {
+// a and b exchanged in place, the tail included; the schedule is the one main sets.
+static void swap(double* restrict a, double* restrict b, int64_t n) {
+  const int64_t blocks = n / BLOCK;
+#pragma omp parallel for schedule(runtime)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t i = blk * BLOCK;
+#pragma omp simd
+    for (int k = 0; k < BLOCK; ++k) {
+      const double t = a[i + k];
+      a[i + k] = b[i + k];
+      b[i + k] = t;
+    }
+  }
+  for (int64_t i = blocks * BLOCK; i < n; ++i) {
+    const double t = a[i];
+    a[i] = b[i];
+    b[i] = t;
+  }
+}
+
+static void run_once(double* a, double* b, const double* c, int64_t n, int nt, int swapping) {
+  if (swapping) {
+    swap(a, b, n);
+    return;
+  }
   const int64_t blocks = n / BLOCK;
   triad(a, b, c, blocks, nt);
   for (int64_t i = blocks * BLOCK; i < n; ++i) a[i] = b[i] + SCALAR * c[i];
@@ -130,13 +159,17 @@ static int compare_doubles(const void* x, const void* y) {
 }
 
 int main(int argc, char** argv) {
-  if (argc < 2 || argc > 5) fail("expected 1 to 4 arguments");
+  if (argc < 2 || argc > 6) fail("expected 1 to 5 arguments");
   const int64_t n = parse_positive(argv[1], "ELEMENTS");
   const int repeats = argc > 2 ? (int)parse_positive(argv[2], "REPEATS") : 10;
   const char* mode = argc > 3 ? argv[3] : "plain";
   if (strcmp(mode, "plain") != 0 && strcmp(mode, "nt") != 0) fail("mode must be 'plain' or 'nt'");
   const int nt = strcmp(mode, "nt") == 0;
   if (nt && !HAVE_NT) fail("this build has no non-temporal stores for mode 'nt'");
+  const char* kernel = argc > 5 ? argv[5] : "triad";
+  if (strcmp(kernel, "triad") != 0 && strcmp(kernel, "swap") != 0) fail("kernel must be 'triad' or 'swap'");
+  const int swapping = strcmp(kernel, "swap") == 0;
+  if (swapping && nt) fail("kernel 'swap' writes the lines it reads: mode must be 'plain'");
   const char* schedule = argc > 4 ? argv[4] : "static";
   if (strcmp(schedule, "static") == 0) {
     omp_set_schedule(omp_sched_static, 0);
@@ -161,17 +194,18 @@ int main(int argc, char** argv) {
   }
   for (int64_t i = blocks * BLOCK; i < n; ++i) a[i] = 0.0, b[i] = 2.0, c[i] = 0.5;
 
-  run_once(a, b, c, n, nt);  // warm-up: thread team, TLBs
+  run_once(a, b, c, n, nt, swapping);  // warm-up: thread team, TLBs
   double* seconds = malloc(sizeof(double) * (size_t)repeats);
   if (seconds == NULL) fail("out of memory");
   for (int r = 0; r < repeats; ++r) {
     const double start = omp_get_wtime();
-    run_once(a, b, c, n, nt);
+    run_once(a, b, c, n, nt, swapping);
     seconds[r] = omp_get_wtime() - start;
   }
 
   int64_t wrong = 0;
-  const double expected = 2.0 + SCALAR * 0.5;
+  // After the warm-up and REPEATS swaps, a holds b's 2.0 when their count is odd, else its 0.0.
+  const double expected = !swapping ? 2.0 + SCALAR * 0.5 : (repeats + 1) % 2 ? 2.0 : 0.0;
 #pragma omp parallel for schedule(static) reduction(+ : wrong)
   for (int64_t i = 0; i < n; ++i) wrong += a[i] != expected;
   if (wrong != 0) {
@@ -183,11 +217,12 @@ int main(int argc, char** argv) {
   qsort(seconds, (size_t)repeats, sizeof(double), compare_doubles);
   const double median = repeats % 2 ? seconds[repeats / 2]
                                     : 0.5 * (seconds[repeats / 2 - 1] + seconds[repeats / 2]);
-  const double bytes = (double)BYTES_PER_ELEM * (double)n;
+  const double bytes = (double)(swapping ? SWAP_BYTES : TRIAD_BYTES) * (double)n;
   printf("{\"threads\": %d, \"elements\": %lld, \"repeats\": %d, \"mode\": \"%s\", \"schedule\": \"%s\", "
+         "\"kernel\": \"%s\", "
          "\"best_s\": %.9g, "
          "\"median_s\": %.9g, \"best_gbs\": %.6g, \"median_gbs\": %.6g}\n",
-         omp_get_max_threads(), (long long)n, repeats, mode, schedule, seconds[0], median,
+         omp_get_max_threads(), (long long)n, repeats, mode, schedule, kernel, seconds[0], median,
          bytes / seconds[0] / 1e9, bytes / median / 1e9);
   free(seconds);
   free(a);

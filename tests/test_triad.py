@@ -1,13 +1,14 @@
 """The standalone OpenMP STREAM triad (csrc/stream_triad.c via slidedp/plan/triad.py): it builds
-once into the cache, runs in both store modes and both schedules on small arrays, and refuses bad
-arguments."""
+once into the cache, runs in both store modes and both schedules on small arrays, swaps in place
+(the CPU AdamW's mix of reads and writes), and refuses bad arguments."""
 
 import math
 
 import pytest
 
 from slidedp import native_build
-from slidedp.plan.triad import SCHEDULES, STORE_MODES, openmp_triad, openmp_triad_binary, openmp_triads
+from slidedp.plan.triad import (SCHEDULES, STORE_MODES, openmp_swap, openmp_triad, openmp_triad_binary,
+                                openmp_triads)
 
 ELEMENTS = 2**19 + 3  # 4 MiB arrays, with a tail that is not a whole block
 
@@ -34,6 +35,26 @@ def test_runs_in_every_variant(mode, schedule):
     assert (result.proc_bind, result.places) == ("close", "cores")
 
 
+@pytest.mark.parametrize("repeats", [2, 3])  # the program checks a after an odd and an even count
+def test_swap_counts_every_byte_read_and_written(repeats):
+    result = openmp_triad(elements=ELEMENTS, threads=2, repeats=repeats, mode="plain", kernel="swap")
+    assert (result.kernel, result.mode) == ("swap", "plain")
+    assert result.best_gbs == pytest.approx(32 * ELEMENTS / result.best_s / 1e9, rel=1e-4)
+    best = openmp_swap(elements=ELEMENTS, threads=2, repeats=repeats)
+    assert best.kernel == "swap" and best.schedule in SCHEDULES and best.best_gbs > 0
+
+
+def test_the_stream_bench_sets_the_update_against_the_swap():
+    from recipes.bench.cpu_adam import Workload
+    from recipes.bench.stream import describe, measure
+
+    row = measure(2, elements=ELEMENTS, repeats=2, openmp=True, work=Workload(40_000))
+    assert row["triad_best_gbs"] == max(r["best_gbs"] for r in row["openmp"])
+    assert row["swap_best_gbs"] > 0 and row["swap_schedule"] in SCHEDULES
+    assert row["adam_over_swap"] == pytest.approx(row["adam_best_gbs"] / row["swap_best_gbs"])
+    assert "openmp swap" in describe(row) and "x the swap" in describe(row)
+
+
 def test_best_first():
     runs = openmp_triads(elements=ELEMENTS, threads=1, repeats=2)
     assert {(r.mode, r.schedule) for r in runs} == {(m, s) for m in STORE_MODES for s in SCHEDULES}
@@ -51,6 +72,8 @@ def test_environment_overrides_binding():
     ({"repeats": -1}, "REPEATS must be a positive integer"),
     ({"mode": "streaming"}, "mode must be 'plain' or 'nt'"),
     ({"schedule": "guided"}, "schedule must be 'static' or 'dynamic'"),
+    ({"kernel": "copy"}, "kernel must be 'triad' or 'swap'"),
+    ({"kernel": "swap", "mode": "nt"}, "kernel 'swap' writes the lines it reads: mode must be 'plain'"),
 ])
 def test_bad_argument(kwargs, message):
     args = {"elements": ELEMENTS, "threads": 1, "repeats": 1, "mode": "plain", **kwargs}

@@ -9,7 +9,9 @@ runtime's layout (the gradient waiting in the BF16 shadow it overwrites), the up
 mapped shared (as the runtime's host state) without and with MADV_HUGEPAGE and on anonymous
 memory with it (as the OpenMP triad's arrays), each with the share of its mapping that huge pages
 back, and the update again with its helpers pinned one per core (slidedp.pin_threads). The
-kernel's THP modes are recorded with the rows.
+kernel's THP modes are recorded with the rows. With OpenMP the update is also set against the
+program's in-place swap (its best schedule): as many bytes written as read, the update's own mix,
+so that a gap to the triad can be told apart from one to what that mix allows.
 
     python -m recipes.bench.stream --threads 8,16 --repeats 10 --adam [--json out.json]
 
@@ -29,7 +31,7 @@ import torch
 from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, HYPER, Workload, _cpu_name, timed_runs
 from slidedp import affinity, cpu_adam, native_build
 from slidedp.plan.triad import (TRIAD_BYTES_PER_ELEM, default_elements, last_level_cache_bytes,
-                                openmp_triad_binary, openmp_triads, pool_triad_seconds)
+                                openmp_swap, openmp_triad_binary, openmp_triads, pool_triad_seconds)
 
 
 def _best_median(nbytes: float, seconds: list[float]) -> tuple[float, float]:
@@ -126,6 +128,9 @@ def measure(threads: int, *, elements: int, repeats: int, openmp: bool,
                           "median_gbs": r.median_gbs} for r in runs]
         row["triad_mode"] = f"{runs[0].mode} {runs[0].schedule}"
         row["triad_best_gbs"] = runs[0].best_gbs
+        swap = openmp_swap(elements=elements, threads=threads, repeats=repeats)
+        row["swap_schedule"], row["swap_best_gbs"], row["swap_median_gbs"] = (
+            swap.schedule, swap.best_gbs, swap.median_gbs)
     seconds, kernel = pool_triad_seconds(elements=elements, threads=threads, repeats=repeats)
     row["pool_best_gbs"], row["pool_median_gbs"] = _best_median(elements * TRIAD_BYTES_PER_ELEM, seconds)
     row["pool_kernel"] = kernel
@@ -135,6 +140,8 @@ def measure(threads: int, *, elements: int, repeats: int, openmp: bool,
         # Rule 8: the same statistic on both sides; the pool's triad where OpenMP is missing.
         triad_gbs = row.get("triad_best_gbs", row["pool_best_gbs"])
         row["adam_over_triad"] = row["adam_best_gbs"] / triad_gbs
+        if "swap_best_gbs" in row:
+            row["adam_over_swap"] = row["adam_best_gbs"] / row["swap_best_gbs"]
         # The runtime's layout, the gradient in the shadow: the same bytes, none of them the
         # read-for-ownership of an output apart from the gradient (csrc/cpu_adam.cpp adam_lanes).
         seconds = timed_runs(lambda: work.ours_in_shadow(threads), repeats)
@@ -167,11 +174,15 @@ def describe(row: dict) -> str:
     parts = [f"{row['threads']:3d} threads:"]
     for r in sorted(row.get("openmp", []), key=lambda r: (r["mode"], r["schedule"])):
         parts.append(f"openmp {r['mode']} {r['schedule']} {r['best_gbs']:6.1f} / {r['median_gbs']:6.1f}")
+    if "swap_best_gbs" in row:
+        parts.append(f"openmp swap {row['swap_schedule']} {row['swap_best_gbs']:6.1f} / {row['swap_median_gbs']:6.1f}")
     parts.append(f"pool ({row['pool_kernel']}) {row['pool_best_gbs']:6.1f} / {row['pool_median_gbs']:6.1f}")
     if "adam_best_gbs" in row:
         against = f"openmp {row['triad_mode']}" if "triad_mode" in row else "pool"
         parts.append(f"adam {row['adam_best_gbs']:6.1f} / {row['adam_median_gbs']:6.1f} "
-                     f"= {row['adam_over_triad']:.2f}x the {against} triad; gradient in the shadow "
+                     f"= {row['adam_over_triad']:.2f}x the {against} triad"
+                     + (f", {row['adam_over_swap']:.2f}x the swap" if "adam_over_swap" in row else "")
+                     + "; gradient in the shadow "
                      f"{row['adam_in_shadow_best_gbs']:6.1f} / {row['adam_in_shadow_median_gbs']:6.1f} "
                      f"= {row['adam_in_shadow_over_triad']:.2f}x; "
                      + "".join(f"on {b} {row[f'adam_{b}_best_gbs']:6.1f} / {row[f'adam_{b}_median_gbs']:6.1f} "

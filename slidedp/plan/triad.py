@@ -11,6 +11,9 @@ not counted). Two loops:
 - `triad`: STREAM's loop in our C++ library on the CPU Adam's thread pool
   (slidedp.cpu_adam.stream_triad; torch.add where that library cannot be built), arrays filled by
   torch: what the probe uses, and the fallback where no C compiler with OpenMP is found.
+The OpenMP program also runs `swap` (a and b exchanged in place, 32 bytes per element): as many
+bytes written as read, into the lines just read, the CPU AdamW's own mix without its arithmetic,
+so that an update below the triad can be told from one below what its traffic allows.
 A torch op is neither figure: torch's copy and add run on its own intra-op threads, not the
 update's, and can stay below what the CPU Adam itself moves (docs/PERFORMANCE.md)."""
 
@@ -29,6 +32,7 @@ from slidedp import cpu_adam, native_build
 TRIAD_BYTES_PER_ELEM = 3 * 8
 STORE_MODES = ("plain", "nt")
 SCHEDULES = ("static", "dynamic")
+KERNELS = ("triad", "swap")
 _OPENMP_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "stream_triad.c"
 _OPENMP_FLAGS = ("-O3", "-march=native", "-fopenmp")
 # Threads pinned one per core, in order, unless the caller's environment says otherwise.
@@ -46,10 +50,12 @@ class OpenMPTriad:
     """'plain' or 'nt' (non-temporal stores)."""
     schedule: str
     """'static' (STREAM's) or 'dynamic' (chunks of 32 Ki elements, as our pool hands out)."""
+    kernel: str
+    """'triad' or 'swap' (a and b exchanged in place)."""
     best_s: float
     median_s: float
     best_gbs: float
-    """GB/s (1e9 bytes) of the fastest run, 24 bytes per element."""
+    """GB/s (1e9 bytes) of the fastest run, 24 bytes per element (swap: 32)."""
     median_gbs: float
     proc_bind: str
     places: str
@@ -85,15 +91,16 @@ def openmp_triad_binary() -> Path:
 
 
 def openmp_triad(*, elements: int, threads: int, repeats: int = 10, mode: str = "nt",
-                 schedule: str = "static", env: dict[str, str] | None = None) -> OpenMPTriad:
-    """The standalone triad on `threads` OpenMP threads, `repeats` timed runs after a warm-up.
-    `env` is added to this process's environment (OMP_PROC_BIND=close, OMP_PLACES=cores unless
+                 schedule: str = "static", kernel: str = "triad",
+                 env: dict[str, str] | None = None) -> OpenMPTriad:
+    """The standalone triad (or `kernel="swap"`, plain stores) on `threads` OpenMP threads,
+    `repeats` timed runs after a warm-up. `env` is added to this process's environment (OMP_PROC_BIND=close, OMP_PLACES=cores unless
     either sets them)."""
     if threads < 1:  # OpenMP would ignore OMP_NUM_THREADS=0 and take every core
         raise ValueError(f"openmp_triad: threads must be >= 1, got {threads}")
     binary = openmp_triad_binary()
     run_env = {**_OPENMP_ENV_DEFAULTS, **os.environ, **(env or {}), "OMP_NUM_THREADS": str(threads)}
-    args = [str(binary), str(elements), str(repeats), mode, schedule]
+    args = [str(binary), str(elements), str(repeats), mode, schedule, kernel]
     result = subprocess.run(args, capture_output=True, text=True, env=run_env)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} exited {result.returncode}: {result.stderr.strip()}")
@@ -108,6 +115,14 @@ def openmp_triads(*, elements: int, threads: int, repeats: int = 10,
                          schedule=schedule, env=env)
             for mode in STORE_MODES for schedule in SCHEDULES]
     return sorted(runs, key=lambda r: r.best_gbs, reverse=True)
+
+
+def openmp_swap(*, elements: int, threads: int, repeats: int = 10,
+                env: dict[str, str] | None = None) -> OpenMPTriad:
+    """`openmp_triad`'s swap in both schedules, the faster (by `best_gbs`)."""
+    runs = [openmp_triad(elements=elements, threads=threads, repeats=repeats, mode="plain",
+                         schedule=schedule, kernel="swap", env=env) for schedule in SCHEDULES]
+    return max(runs, key=lambda r: r.best_gbs)
 
 
 def triad_gbs(*, elements: int, threads: int, repeats: int = 5) -> float:
