@@ -32,7 +32,6 @@ from slidedp import cpu_adam, native_build
 TRIAD_BYTES_PER_ELEM = 3 * 8
 STORE_MODES = ("plain", "nt")
 SCHEDULES = ("static", "dynamic")
-KERNELS = ("triad", "swap")
 _OPENMP_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "stream_triad.c"
 _OPENMP_FLAGS = ("-O3", "-march=native", "-fopenmp")
 # Threads pinned one per core, in order, unless the caller's environment says otherwise.
@@ -94,8 +93,8 @@ def openmp_triad(*, elements: int, threads: int, repeats: int = 10, mode: str = 
                  schedule: str = "static", kernel: str = "triad",
                  env: dict[str, str] | None = None) -> OpenMPTriad:
     """The standalone triad (or `kernel="swap"`, plain stores) on `threads` OpenMP threads,
-    `repeats` timed runs after a warm-up. `env` is added to this process's environment (OMP_PROC_BIND=close, OMP_PLACES=cores unless
-    either sets them)."""
+    `repeats` timed runs after a warm-up. `env` is added to this process's environment
+    (OMP_PROC_BIND=close, OMP_PLACES=cores unless either sets them)."""
     if threads < 1:  # OpenMP would ignore OMP_NUM_THREADS=0 and take every core
         raise ValueError(f"openmp_triad: threads must be >= 1, got {threads}")
     binary = openmp_triad_binary()
