@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from models.meta import on_meta
 from protocols.model_spec import ModelArgs, spec_of, spec_of_model_type
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def to_hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.bfloat16,
 
 def param_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     """Name -> shape of every parameter of `args`'s model, built on the meta device (no memory)."""
-    with torch.device("meta"):
+    with on_meta():
         model = spec_of(args).model_cls(args)
     return {name: p.shape for name, p in model.named_parameters()}
 

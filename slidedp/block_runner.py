@@ -16,6 +16,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from models.kernels import Kernels
+from models.meta import on_meta
 from protocols.model_spec import ModelArgs, ModelSpec
 from slidedp.activations import (ActivationPolicy, BlockCost, BlockSegments, Offloader,
                                  WeightRefs, block_input, describe_costs, measure_costs,
@@ -96,7 +97,7 @@ class BlockRunner:
         self.buffers = [torch.empty(layout.block_padded, **bf16) for _ in range(window_slots)]
         self.buffers.append(torch.empty(layout.embed.padded, **bf16))
         self.buffers.append(torch.empty(layout.head.padded, **bf16))
-        with torch.device("meta"):
+        with on_meta():
             self.segments = BlockSegments(spec.block_cls(args, kernels))
         self.head_loss = spec.head_loss(args, kernels)
         self._unit_source: dict[int, torch.Tensor] = {}  # what each unit's compute reads now

@@ -1,11 +1,15 @@
 """Every flavor: published architecture, parameter count, shapes; blocks are separable units."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from models.loss import IGNORE_INDEX, chunked_cross_entropy_sum
+from models.meta import on_meta
 from models.rope import rope_tables
 from protocols.model_spec import ModelArgs, get_flavor, get_model_spec
 
@@ -14,8 +18,34 @@ PUBLISHED = sorted(QWEN.published_billions)
 
 
 def meta_model(args: ModelArgs) -> nn.Module:
-    with torch.device("meta"):
+    with on_meta():
         return QWEN.model_cls(args)
+
+
+@pytest.mark.parametrize("name", ["qwen3-debug", "qwen2.5-debug"])
+def test_a_meta_build_has_the_parameters_of_a_real_one(name):
+    args = get_flavor(name)
+    meta, real = meta_model(args), QWEN.model_cls(args)
+    assert {n: (p.shape, p.dtype) for n, p in meta.named_parameters()} == {
+        n: (p.shape, p.dtype) for n, p in real.named_parameters()}
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
+
+
+def _imports_dynamo(build: str) -> bool:
+    code = ("import sys, torch; from models.meta import on_meta; "
+            "from protocols.model_spec import get_flavor, get_model_spec; "
+            f"args = get_flavor('qwen3-debug')\nwith {build}: get_model_spec('qwen').model_cls(args)\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.strip() == "True"
+
+
+def test_a_meta_build_skips_the_init_that_imports_dynamo():
+    """A shape-only build (the launcher's host-memory check, the runtime's block shapes) does
+    not pay for nn.init on meta tensors: its first random fill imports torch._dynamo."""
+    if not _imports_dynamo('torch.device("meta")'):
+        pytest.skip("this torch's meta init does not import torch._dynamo")
+    assert not _imports_dynamo("on_meta()")
 
 
 @pytest.mark.parametrize("name", PUBLISHED)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.func import functional_call
 
 from models.kernels import TORCH_KERNELS, Kernels
+from models.meta import on_meta
 from models.qwen.args import QwenArgs
 from models.rope import rope_tables
 from protocols.model_spec import UnitParams
@@ -208,7 +209,7 @@ class QwenModel(nn.Module):
 def units(args: QwenArgs) -> list[tuple[str, UnitParams]]:
     """The units SlideDP streams: the embedding, each block, and the head (final norm + untied
     LM head), with their parameters in flat order."""
-    with torch.device("meta"):
+    with on_meta():
         model = QwenModel(args)
     groups = [("embed", [("embed_tokens.weight", "weight", model.embed_tokens.weight.shape)])]
     for i, block in enumerate(model.layers):
@@ -231,7 +232,7 @@ class StreamedHead:
 
     def __init__(self, args: QwenArgs, kernels: Kernels = TORCH_KERNELS):
         self.kernels = kernels
-        with torch.device("meta"):
+        with on_meta():
             self.norm = RMSNorm(args.dim, args.norm_eps, kernels)
 
     def __call__(self, head: dict[str, torch.Tensor], embed: dict[str, torch.Tensor],

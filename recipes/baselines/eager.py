@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.meta import on_meta
 from protocols.backend import Batch, StepResult
 from protocols.model_spec import ModelArgs, spec_of
 from recipes.baselines.activation_checkpoint import apply_activation_checkpointing
@@ -250,7 +251,7 @@ def build_fsdp2_backend(config: JobConfig, args: ModelArgs, *, device: torch.dev
     training = config.training
     kernels = build_kernels(config, device=device)
     if training.init_on_meta:
-        with torch.device("meta"):
+        with on_meta():
             model = spec_of(args).model_cls(args, kernels)
     else:
         model = build_model(args, seed=training.seed, hf_dir=config.model.hf_dir, kernels=kernels)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from models.kernels import resolve_kernels
+from models.meta import on_meta
 from protocols.model_spec import get_flavor, spec_of
 from recipes.bench.rows import emit
 from slidedp.activations import (BlockSegments, Offloader, WeightRefs, as_streamed, block_input,
@@ -36,7 +37,7 @@ def allocated_per_token(policy, block: nn.Module, args, kernels, *, batch: int, 
     offloader = Offloader(streams, Traffic())
     offloader.pool.allocate(host_bytes)
     refs = WeightRefs([flat], lambda unit: flat)
-    with torch.device("meta"):
+    with on_meta():
         segments = BlockSegments(spec_of(args).block_cls(args, kernels))
     rope = spec_of(args).rope_tables(args, seq, device)
     x = torch.randn(batch, seq, args.dim, device=device, dtype=torch.bfloat16)

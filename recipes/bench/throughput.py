@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from models.kernels import Kernels, sdpa_backend_used
+from models.meta import on_meta
 from protocols.backend import StepResult
 from protocols.model_spec import ModelArgs, spec_of
 from protocols.reconfigure import Knobs
@@ -71,7 +72,7 @@ class _Reference:
 
     def __init__(self, args: ModelArgs, *, device: torch.device, ac: str, loss_chunk: int,
                  kernels: Kernels):
-        with torch.device("meta"):
+        with on_meta():
             model = spec_of(args).model_cls(args, kernels)
         model.to_empty(device=device)
         model.init_weights()

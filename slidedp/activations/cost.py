@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from models.activation_memory import SavedStorages
 from models.kernels import Kernels
+from models.meta import on_meta
 from protocols.model_spec import ModelArgs, spec_of
 from slidedp.activations.policy import KEEP, ActivationPolicy, format_blocks
 from slidedp.activations.segments import BlockSegments, block_input
@@ -170,7 +171,7 @@ def _per_token_at(f1: float, f2: float, seq: int) -> float:
 def measure_costs(policies: Iterable[ActivationPolicy], args: ModelArgs, kernels: Kernels, *,
                   device: torch.device, seq_len: int) -> dict[ActivationPolicy, BlockCost]:
     """Each policy's BlockCost for one block of `args` on `kernels` and `device`."""
-    with torch.device("meta"):
+    with on_meta():
         block = spec_of(args).block_cls(args, kernels).to(torch.bfloat16)
     block = block.to_empty(device=device)
     # The probes draw random weights and inputs without moving the run's generators.

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from models.kernels import Kernels
+from models.meta import on_meta
 from protocols.model_spec import ModelArgs, spec_of
 from slidedp.activations import (KEEP, RECOMPUTE, ActivationPolicy, BlockSegments, block_input,
                                  measure_costs, parse_policy)
@@ -50,7 +51,7 @@ _WARMUP = 2
 def _block(args: ModelArgs, kernels: Kernels, device: torch.device,
            dtype: torch.dtype) -> nn.Module:
     spec = spec_of(args)
-    with torch.device("meta"):
+    with on_meta():
         block = spec.block_cls(args, kernels).to(dtype)
     block = block.to_empty(device=device)
     with torch.no_grad():
