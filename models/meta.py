@@ -13,7 +13,7 @@ _INITS = frozenset({nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_}
 
 
 class _SkipInit(TorchFunctionMode):
-    """Returns an nn.init function's tensor untouched. On meta tensors the random fills run
+    """Returns an nn.init function's meta tensor untouched. On meta tensors the random fills run
     torch._refs' Python kernels, and the first of them imports torch._dynamo: over a second per
     process (launcher, each rank) for values that a meta tensor does not hold anyway."""
 
@@ -21,7 +21,9 @@ class _SkipInit(TorchFunctionMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _INITS:
-            return args[0] if args else kwargs["tensor"]
+            tensor = args[0] if args else kwargs["tensor"]
+            if tensor.is_meta:  # a tensor put elsewhere on purpose keeps its init
+                return tensor
         return func(*args, **kwargs)
 
 

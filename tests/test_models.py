@@ -29,6 +29,11 @@ def test_a_meta_build_has_the_parameters_of_a_real_one(name):
     assert {n: (p.shape, p.dtype) for n, p in meta.named_parameters()} == {
         n: (p.shape, p.dtype) for n, p in real.named_parameters()}
     assert {p.device.type for p in meta.parameters()} == {"meta"}
+    with on_meta():  # a module placed elsewhere on purpose keeps its init
+        torch.manual_seed(0)
+        placed = nn.Linear(8, 4, device="cpu")
+    torch.manual_seed(0)
+    assert torch.equal(placed.weight, nn.Linear(8, 4).weight)
 
 
 def _imports_dynamo(build: str) -> bool:
