@@ -148,6 +148,20 @@ def test_head_to_head_ratios_and_geometric_mean():
     assert not any(r["peer"] == "fsdp2" for r in out)  # no SlideDP point at batch 8
 
 
+def test_every_offloading_peer_has_a_no_checkpointing_option_in_its_family():
+    """A peer's peak is its best over its options (docs/PERFORMANCE.md rule 5): each offloading
+    peer runs with full checkpointing and without, under one family, so the head-to-head takes
+    the faster at each batch."""
+    from recipes.reproduce.common import SYSTEMS
+    for name in ("fsdp2-offload", "zero2-offload", "zero3-offload"):
+        full, none = SYSTEMS[name], SYSTEMS[f"{name}-noac"]
+        assert full.family == none.family != "slidedp"
+        assert "--activation_checkpoint.mode=full" in full.flags
+        assert "--activation_checkpoint.mode=none" in none.flags
+        assert set(full.flags) - {"--activation_checkpoint.mode=full"} == \
+            set(none.flags) - {"--activation_checkpoint.mode=none"}
+
+
 def test_head_to_head_sets_median_launches_against_each_other():
     """Three launches of SlideDP's setting against one of the peer's: SlideDP counts as its median
     launch, not its best (docs/PERFORMANCE.md rule 6), and each side says how many it ran and

@@ -68,14 +68,14 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
             "--slidedp.embedding_update=gpu")),
     *(System(f"fsdp2-{ac}", "fsdp2", (FSDP2, f"--activation_checkpoint.mode={ac}"))
       for ac in ("none", "selective", "full")),
-    System("fsdp2-offload", "fsdp2-offload", (FSDP2, "--activation_checkpoint.mode=full",
-                                              "--parallelism.fsdp_cpu_offload")),
-    System("zero2-offload", "zero-offload", (DEEPSPEED, "--deepspeed.zero_stage=2",
-                                             "--activation_checkpoint.mode=full")),
-    System("zero2-offload-noac", "zero-offload", (DEEPSPEED, "--deepspeed.zero_stage=2",
-                                                  "--activation_checkpoint.mode=none")),
-    System("zero3-offload", "zero3-offload", (DEEPSPEED, "--deepspeed.zero_stage=3",
-                                              "--activation_checkpoint.mode=full")),
+    # The offloading peers, each with full checkpointing and without (`-noac`: its peak at the
+    # small batches where its activations fit the GPU).
+    *(System(f"{name}{suffix}", family, (*flags, f"--activation_checkpoint.mode={ac}"))
+      for name, family, flags in (
+          ("fsdp2-offload", "fsdp2-offload", (FSDP2, "--parallelism.fsdp_cpu_offload")),
+          ("zero2-offload", "zero-offload", (DEEPSPEED, "--deepspeed.zero_stage=2")),
+          ("zero3-offload", "zero3-offload", (DEEPSPEED, "--deepspeed.zero_stage=3")))
+      for ac, suffix in (("full", ""), ("none", "-noac"))),
     # The paper's peers SlideFormer and MegaTrain, re-implemented as policies of the SlideDP
     # runtime (slidedp/peer_styles.py), with the same activation policies.
     *(System(f"{runtime}-{policy}", runtime, (SLIDEDP, f"--slidedp.runtime={runtime}",
