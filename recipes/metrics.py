@@ -15,6 +15,7 @@ TensorBoard events go to the same run folder with the events past that step purg
 import json
 import logging
 import os
+import platform
 import resource
 import time
 from collections.abc import Callable
@@ -37,6 +38,27 @@ _GIB = 2**30
 def gpu_name(device: torch.device) -> str | None:
     """The name torch gives a CUDA device; None for any other device."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def ran_on(device: torch.device) -> dict[str, str | int | None]:
+    """What a measured row ran on: the GPU's name, the host CPU's model and the cores this
+    process may use. Machines of one kind differ in their hosts (the host-bound steps move with
+    them), so a row names its own."""
+    return {"gpu": gpu_name(device), "host_cpu": _cpu_model(),
+            "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count()}
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows, else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def peak_bf16_tflops(gpu: str) -> float | None:

@@ -190,7 +190,8 @@ def test_a_step_is_timed_from_its_start_to_the_next_ones_unless_each_step_waits(
 @pytest.mark.parametrize("mode", ["slidedp", "fsdp2", "reference"])
 def test_each_row_records_what_its_timed_steps_trained(mode, tmp_path):
     """Every mode's row: per timed step a finite loss near ln(vocab) (random weights), a finite
-    gradient norm and no skipped update, so the row is valid and the report reads it."""
+    gradient norm and no skipped update, so the row is valid and the report reads it; and the
+    machine it ran on."""
     out = tmp_path / "runs.jsonl"
     flags = ["--bench.reference"] if mode == "reference" else [f"--parallelism.mode={mode}"]
     rows = _bench([*flags, "--bench.batches", "1", "2", "--training.steps=2"], out)
@@ -201,6 +202,8 @@ def test_each_row_records_what_its_timed_steps_trained(mode, tmp_path):
         assert all(math.isfinite(g) and g > 0 for g in r["grad_norm"]), r["grad_norm"]
         assert r["skipped"] == [False, False]
         assert r["valid"] is True and r["invalid_reason"] is None
+        # What it ran on: no GPU here, this host's CPU and the cores the process may use.
+        assert r["gpu"] is None and r["host_cpu"] and r["host_cores"] >= 1
     assert report([str(out)]).count(f"| {mode} |") == 2
 
 
@@ -298,6 +301,10 @@ def test_headline_is_the_median_of_launches_and_refuses_rows_that_did_not_train(
     headline.main()
     printed = capsys.readouterr().out
     assert "| 2 | 800 | 700-900 |" in printed and "| 3 | 1,300 | 1,100-1,500 |" in printed
+    # A launch on another host is another point, named by its machine.
+    elsewhere = {**row(1, 1, 2000.0), "gpu": "NVIDIA H200", "host_cpu": "Xeon"}
+    lines = headline.table([*rows, elsewhere]).splitlines()[2:]
+    assert len(lines) == 3 and lines[-1].endswith("| 1 | 2,000 | 2,000-2,000 |  | NVIDIA H200 / Xeon |")
     rows[-1]["loss"] = [float("nan")]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(SystemExit, match="1 of 4 rows refused"):

@@ -14,9 +14,11 @@ from recipes.bench.rows import read_rows, row_files
 
 POINT = ("mode", "label", "flavor", "route", "kernels", "ac", "activation_blocks", "keep_blocks",
          "slots", "embedding_update", "runtime", "world", "seq", "local_batch", "accum",
-         "max_norm", "sync")
+         "max_norm", "sync", "gpu", "host_cpu")
 """What names one measured point: its rows differ only in their launch (a row without `sync`
-waited for the device after every step)."""
+waited for the device after every step; rows before `gpu` and `host_cpu` were recorded have
+neither). Launches on another GPU or host CPU are another point: hosts of one GPU kind move the
+host-bound steps."""
 
 
 def points(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -50,7 +52,7 @@ def best_point(path: str, *, mode: str, label: str) -> str:
 def table(rows: list[dict]) -> str:
     """Markdown: one line per point, the headline (median of launches) and its spread."""
     lines = ["| mode | label | flavor | kernels | activations | batch | embedding | clip | timed | "
-             "launches | tokens/s median | min-max | MFU |", "|---" * 13 + "|"]
+             "launches | tokens/s median | min-max | MFU | machine |", "|---" * 14 + "|"]
     for key, group in points(rows).items():
         point, s = dict(zip(POINT, key)), summary(group)
         policy = ", ".join(filter(None, (point["ac"], point["activation_blocks"])))
@@ -60,7 +62,8 @@ def table(rows: list[dict]) -> str:
             f"{point['kernels']} | {policy} | "
             f"{point['local_batch']} | {point['embedding_update'] or ''} | {point['max_norm']} | "
             f"{point['sync'] or 'step'} | {s['launches']} | {s['median']:,.0f} | "
-            f"{s['min']:,.0f}-{s['max']:,.0f} | {mfu} |")
+            f"{s['min']:,.0f}-{s['max']:,.0f} | {mfu} | "
+            f"{' / '.join(filter(None, (point['gpu'], point['host_cpu'])))} |")
     return "\n".join(lines)
 
 

@@ -59,7 +59,7 @@ from recipes.baselines.activation_checkpoint import apply_activation_checkpointi
 from recipes.baselines.eager import clip_grad_norm
 from recipes.batches import SyntheticBatches
 from recipes.config import ConfigError, resolve_model, run_config
-from recipes.metrics import gpu_name, memory, throughput
+from recipes.metrics import gpu_name, memory, ran_on, throughput
 from recipes.model import build_kernels
 from recipes.parallelize import build_backend
 from recipes.process_group import init_distributed
@@ -280,7 +280,8 @@ def _row(cfg: BenchConfig, *, args: ModelArgs, route: str, ac: str, batch: int, 
                if measured_mode == "fsdp2" else {}),
             **({"zero_stage": cfg.deepspeed.zero_stage} if measured_mode == "deepspeed" else {}),
             "rope_scaling": args.rope_scaling and args.rope_scaling.describe(),
-            "world": world, "seq": seq, "local_batch": batch, "accum": accum,
+            **ran_on(device), "world": world, "seq": seq, "local_batch": batch,
+            "accum": accum,
             "max_norm": cfg.training.max_norm, "nonfinite": cfg.training.nonfinite,
             "launch": cfg.bench.launch, "sync": cfg.bench.sync, "step_time_s": step_time,
             **throughput(global_tokens=batch * seq * world, step_time=step_time,
