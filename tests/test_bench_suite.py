@@ -262,6 +262,41 @@ def test_the_head_to_heads_suites_take_one_workload_from_a_vars_only_include():
     assert not {"vars/h2h", "h2h"} & set(shipped_suites())
 
 
+def _flag_values(flags: str) -> dict[str, str]:
+    """`--key value ...` and `--key=value` flags as {key: "value ..."}."""
+    out, key = {}, None
+    for token in shlex.split(flags):
+        if token.startswith("--"):
+            key, _, value = token.partition("=")
+            out[key] = value
+            key = None if value else key
+        elif key is not None:
+            out[key] = " ".join(filter(None, (out[key], token)))
+    return out
+
+
+def test_a_launch_labelled_with_a_head_to_head_system_runs_that_systems_flags():
+    """The head-to-head finds a system's recorded rows by their label (recipes/reproduce/
+    common.py), so a suite launch labelled with a system's name must run that system's setting:
+    a label on another setting would set the wrong figure against a peer."""
+    from recipes.reproduce.common import SYSTEMS
+    builtins = {"out": "o", "repo": REPO, "ngpu": 1}
+    sets = parse_sets(["predicted=p", "ds_wheels=w"])
+    checked = 0
+    for name in shipped_suites():
+        for w in load_suite(name, sets, builtins).workloads:
+            for variant in w.get("variants") or [""]:  # a variant: its flags, or a table
+                own = variant["flags"] if isinstance(variant, dict) else variant
+                flags = _flag_values(f"{w.get('flags', '')} {own}")
+                system = SYSTEMS.get(flags.get("--bench.label", ""))
+                if system is None:
+                    continue
+                wanted = _flag_values(" ".join(system.flags))
+                assert {k: flags.get(k) for k in wanted} == wanted, (name, system.name)
+                checked += 1
+    assert checked >= 10
+
+
 def test_an_out_dir_an_earlier_invocation_used_is_refused_before_the_correctness_stage(tmp_path):
     """A second invocation into the same folder would append its launch logs to the first's (the
     numbering restarts) and print the first's correctness lines as its own."""

@@ -66,6 +66,11 @@ OPTIONS = [
             "window_slots": 2}),
     Option("resident-state", {"embedding_update": "resident", "gpu_state_blocks": 3,
                               "update_order": "next_use"}),
+    # Part of the state resident beside a keep/selective mix (the 80 GB card's 2-16 sequence
+    # settings, recipes/reproduce/common.py's slidedp-*-state*).
+    Option("resident-state-selective-mix", {"activation": "selective", "keep_blocks": 2,
+                                            "embedding_update": "resident", "gpu_state_blocks": 3,
+                                            "update_order": "next_use"}),
     # Every unit resident: the norm and clipping are taken on the GPU (gpu_update.device_clip).
     Option("all-resident", {"embedding_update": "resident", "gpu_state_blocks": LAYERS,
                             "update_order": "next_use"}),

@@ -47,6 +47,15 @@ class System:
 
 SLIDEDP, FSDP2 = "--parallelism.mode=slidedp", "--parallelism.mode=fsdp2"
 DEEPSPEED, REFERENCE = "--parallelism.mode=deepspeed", "--bench.reference"
+
+
+def _resident(blocks: int) -> tuple[str, ...]:
+    """SlideDP flags: the first `blocks` blocks' optimizer state and the embedding's resident on
+    the GPU, the host updating the rest in the order the next forward needs them."""
+    return (f"--slidedp.gpu_state_blocks={blocks}", "--slidedp.embedding_update=resident",
+            "--slidedp.update_order=next_use")
+
+
 SYSTEMS: dict[str, System] = {s.name: s for s in [
     System("slidedp-recompute", "slidedp", (SLIDEDP, "--slidedp.activation=recompute")),
     System("slidedp-selective", "slidedp", (SLIDEDP, "--slidedp.activation=selective")),
@@ -56,11 +65,21 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
     System("slidedp-keep-gpuembed", "slidedp", (SLIDEDP, "--slidedp.activation=keep",
                                                 "--slidedp.embedding_update=gpu")),
     # Every unit's optimizer state resident on the GPU (36: Qwen3-4B's blocks, the head-to-head's
-    # model): with clipping, no update waits on the host; fits `keep` up to 4 sequences.
+    # model): with clipping, no update waits on the host; fits `keep` up to 4 sequences on 141 GB.
     System("slidedp-keep-resident", "slidedp", (SLIDEDP, "--slidedp.activation=keep",
-                                                "--slidedp.gpu_state_blocks=36",
-                                                "--slidedp.embedding_update=resident",
-                                                "--slidedp.update_order=next_use")),
+                                                *_resident(36))),
+    # Part of it resident where all of it does not fit beside the activations, the host
+    # updating the rest behind the forward: Qwen3-4B's settings that `python -m recipes.plan`
+    # predicts fastest within ~90% of the card, on 80 GB at 2-16 sequences (`--rates h100`) and
+    # on 141 GB at 8 (`--rates h200`, the last).
+    *(System(f"slidedp-{name}-state{n}", "slidedp", (SLIDEDP, *policy, *_resident(n)))
+      for name, policy, n in (
+          ("keep", ("--slidedp.activation=keep",), 22),
+          ("selective-keep8", ("--slidedp.activation=selective", "--slidedp.keep_blocks=8"), 24),
+          ("selective-keep6", ("--slidedp.activation=selective", "--slidedp.keep_blocks=6"), 14),
+          ("selective", ("--slidedp.activation=selective",), 6),
+          ("selective-keep20", ("--slidedp.activation=selective", "--slidedp.keep_blocks=20"),
+           20))),
     # A keep/selective mix sized for 16 sequences of Qwen3-4B (14 kept blocks of 6.9 GiB each),
     # where `keep` everywhere does not fit.
     System("slidedp-selective-keep14-gpuembed", "slidedp",
