@@ -66,11 +66,12 @@ OPTIONS = [
             "window_slots": 2}),
     Option("resident-state", {"embedding_update": "resident", "gpu_state_blocks": 3,
                               "update_order": "next_use"}),
-    # Part of the state resident beside a keep/selective mix (the 80 GB card's 2-16 sequence
-    # settings, recipes/reproduce/common.py's slidedp-*-state*).
-    Option("resident-state-selective-mix", {"activation": "selective", "keep_blocks": 2,
-                                            "embedding_update": "resident", "gpu_state_blocks": 3,
-                                            "update_order": "next_use"}),
+    # Part of the state resident beside offloaded and replayed activations, as the step-time
+    # model's choices run them (recipes/reproduce/common.py PLANNED).
+    Option("resident-state-offload-mix", {"activation": "ops(matmul+attention)@offload=1.0",
+                                          "activation_blocks": "4-5:selective",
+                                          "embedding_update": "resident", "gpu_state_blocks": 3,
+                                          "update_order": "next_use", "window_slots": 2}),
     # Every unit resident: the norm and clipping are taken on the GPU (gpu_update.device_clip).
     Option("all-resident", {"embedding_update": "resident", "gpu_state_blocks": LAYERS,
                             "update_order": "next_use"}),

@@ -354,6 +354,10 @@ CASES["test_units_updated_on_the_device[clipped]"] = Case(
         {**_ON_GPU, "delivery": "sharded"},
         {**_ON_GPU, "delivery": "replicated", "bf16_shadow": False, "chunk_mib": ODD_CHUNK},
         {**_RESIDENT, "gpu_state_blocks": 2, "update_order": "next_use"},
+        # Beside offloaded and replayed activations, as the step-time model's choices run it
+        # (recipes/reproduce/common.py PLANNED).
+        {**_RESIDENT, "gpu_state_blocks": 2, "update_order": "next_use", "window_slots": 2,
+         "activation": "ops(matmul+attention)@offload=1.0", "activation_blocks": "3:selective"},
         {**_ON_GPU, "gpu_state_blocks": 1, "bf16_shadow": False},
         # Every unit on the device: the norm and clipping are taken there (device_clip).
         {**_RESIDENT, "gpu_state_blocks": 4, "update_order": "next_use"},

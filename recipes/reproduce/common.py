@@ -56,6 +56,31 @@ def _resident(blocks: int) -> tuple[str, ...]:
             "--slidedp.update_order=next_use")
 
 
+_SEG = "segments(input_norm+qkv+qk_norm_rope+attention_core+o_proj)"
+_OPS = "ops(matmul+attention)"
+PLANNED: dict[tuple[str, int], tuple[str, str, int, int, int]] = {
+    ("h100", 2): (_OPS, "", 3, 128, 27),
+    ("h100", 4): (f"{_SEG}@offload=0.5", f"23-35:{_OPS}@offload=1.0", 2, 32, 27),
+    ("h100", 8): ("selective", f"0-14:{_OPS}", 2, 128, 9),
+    ("h100", 16): (f"{_SEG}@offload=0.5", "35:selective@offload=1.0", 2, 128, 0),
+    ("h200", 8): (f"{_OPS}@offload=1.0", "", 2, 128, 18),
+}
+"""Qwen3-4B's settings that `python -m recipes.plan train_configs/h200_qwen3_4b_slidedp.toml
+--rates RATES --training.local_batch_size BATCH --search` chooses (from the model alone), by
+(rates, batch): (activation, activation_blocks, window_slots, chunk_mib, gpu_state_blocks), the
+embedding's state resident. On an 80 GB card (h100) at 2-16 sequences and on 141 GB (h200) at 8,
+where the all-resident `keep` does not fit."""
+
+
+def _planned(activation: str, blocks: str, slots: int, chunk_mib: int,
+             state_blocks: int) -> tuple[str, ...]:
+    """A PLANNED choice as the bench's flags."""
+    return (SLIDEDP, f"--slidedp.activation={activation}",
+            *([f"--slidedp.activation_blocks={blocks}"] if blocks else []),
+            f"--slidedp.window_slots={slots}", f"--slidedp.chunk_mib={chunk_mib}",
+            *_resident(state_blocks))
+
+
 SYSTEMS: dict[str, System] = {s.name: s for s in [
     System("slidedp-recompute", "slidedp", (SLIDEDP, "--slidedp.activation=recompute")),
     System("slidedp-selective", "slidedp", (SLIDEDP, "--slidedp.activation=selective")),
@@ -68,18 +93,11 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
     # model): with clipping, no update waits on the host; fits `keep` up to 4 sequences on 141 GB.
     System("slidedp-keep-resident", "slidedp", (SLIDEDP, "--slidedp.activation=keep",
                                                 *_resident(36))),
-    # Part of it resident where all of it does not fit beside the activations, the host
-    # updating the rest behind the forward: Qwen3-4B's settings that `python -m recipes.plan`
-    # predicts fastest within ~90% of the card, on 80 GB at 2-16 sequences (`--rates h100`) and
-    # on 141 GB at 8 (`--rates h200`, the last).
-    *(System(f"slidedp-{name}-state{n}", "slidedp", (SLIDEDP, *policy, *_resident(n)))
-      for name, policy, n in (
-          ("keep", ("--slidedp.activation=keep",), 22),
-          ("selective-keep8", ("--slidedp.activation=selective", "--slidedp.keep_blocks=8"), 24),
-          ("selective-keep6", ("--slidedp.activation=selective", "--slidedp.keep_blocks=6"), 14),
-          ("selective", ("--slidedp.activation=selective",), 6),
-          ("selective-keep20", ("--slidedp.activation=selective", "--slidedp.keep_blocks=20"),
-           20))),
+    # The step-time model's own choices where not every unit's state fits beside `keep`'s
+    # activations (PLANNED): part of the state resident, the host updating the rest behind the
+    # forward, the activations saved, replayed or offloaded per block.
+    *(System(f"slidedp-plan-{rates}-{batch}", "slidedp", _planned(*choice))
+      for (rates, batch), choice in PLANNED.items()),
     # A keep/selective mix sized for 16 sequences of Qwen3-4B (14 kept blocks of 6.9 GiB each),
     # where `keep` everywhere does not fit.
     System("slidedp-selective-keep14-gpuembed", "slidedp",
