@@ -58,27 +58,39 @@ def _resident(blocks: int) -> tuple[str, ...]:
 
 _SEG = "segments(input_norm+qkv+qk_norm_rope+attention_core+o_proj)"
 _OPS = "ops(matmul+attention)"
-PLANNED: dict[tuple[str, int], tuple[str, str, int, int, int]] = {
-    ("h100", 2): (_OPS, "", 3, 128, 27),
-    ("h100", 4): (f"{_SEG}@offload=0.5", f"23-35:{_OPS}@offload=1.0", 2, 32, 27),
-    ("h100", 8): ("selective", f"0-14:{_OPS}", 2, 128, 9),
-    ("h100", 16): (f"{_SEG}@offload=0.5", "35:selective@offload=1.0", 2, 128, 0),
-    ("h200", 8): (f"{_OPS}@offload=1.0", "", 2, 128, 18),
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A configuration the step-time model chose: the [slidedp] settings that differ from the
+    defaults, the embedding's state resident with the first `state_blocks` blocks'."""
+
+    activation: str
+    activation_blocks: str
+    window_slots: int
+    chunk_mib: int
+    state_blocks: int
+
+    def flags(self) -> tuple[str, ...]:
+        """The bench's flags for it."""
+        return (SLIDEDP, f"--slidedp.activation={self.activation}",
+                *([f"--slidedp.activation_blocks={self.activation_blocks}"]
+                  if self.activation_blocks else []),
+                f"--slidedp.window_slots={self.window_slots}",
+                f"--slidedp.chunk_mib={self.chunk_mib}", *_resident(self.state_blocks))
+
+
+PLANNED: dict[tuple[str, int], Planned] = {
+    ("h100", 2): Planned(_OPS, "", 3, 128, 27),
+    ("h100", 4): Planned(f"{_SEG}@offload=0.5", f"23-35:{_OPS}@offload=1.0", 2, 32, 27),
+    ("h100", 8): Planned("selective", f"0-14:{_OPS}", 2, 128, 9),
+    ("h100", 16): Planned(f"{_SEG}@offload=0.5", "35:selective@offload=1.0", 2, 128, 0),
+    ("h200", 8): Planned(f"{_OPS}@offload=1.0", "", 2, 128, 18),
 }
 """Qwen3-4B's settings that `python -m recipes.plan train_configs/h200_qwen3_4b_slidedp.toml
---rates RATES --training.local_batch_size BATCH --search` chooses (from the model alone), by
-(rates, batch): (activation, activation_blocks, window_slots, chunk_mib, gpu_state_blocks), the
-embedding's state resident. On an 80 GB card (h100) at 2-16 sequences and on 141 GB (h200) at 8,
-where the all-resident `keep` does not fit."""
-
-
-def _planned(activation: str, blocks: str, slots: int, chunk_mib: int,
-             state_blocks: int) -> tuple[str, ...]:
-    """A PLANNED choice as the bench's flags."""
-    return (SLIDEDP, f"--slidedp.activation={activation}",
-            *([f"--slidedp.activation_blocks={blocks}"] if blocks else []),
-            f"--slidedp.window_slots={slots}", f"--slidedp.chunk_mib={chunk_mib}",
-            *_resident(state_blocks))
+--rates RATES --training.local_batch_size BATCH --search` chooses from the model alone, by
+(rates, batch): on an 80 GB card (h100) at 2-16 sequences and on 141 GB (h200) at 8, where the
+all-resident `keep` does not fit."""
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in [
@@ -96,7 +108,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
     # The step-time model's own choices where not every unit's state fits beside `keep`'s
     # activations (PLANNED): part of the state resident, the host updating the rest behind the
     # forward, the activations saved, replayed or offloaded per block.
-    *(System(f"slidedp-plan-{rates}-{batch}", "slidedp", _planned(*choice))
+    *(System(f"slidedp-plan-{rates}-{batch}", "slidedp", choice.flags())
       for (rates, batch), choice in PLANNED.items()),
     # A keep/selective mix sized for 16 sequences of Qwen3-4B (14 kept blocks of 6.9 GiB each),
     # where `keep` everywhere does not fit.
