@@ -127,11 +127,11 @@ def test_the_compute_bound_is_at_most_a_measured_step(rates_dir, tmp_path, capsy
     (the suite runs two workers, CI may run more beside them) waits at every barrier for a
     descheduled peer, and the probe's short timed blocks suffer that far more than a step does.
     Another test worker may load the cores during one timing and not the other, and load only
-    slows a timing: so each of up to three tries times the steps and then the probe, one right
+    slows a timing: so each of up to five tries times the steps and then the probe, one right
     after the other (each probe into a fresh cache), and one try whose pair meets the bound
-    passes."""
+    passes (three were not enough once, with the two-rank tests beside them for all three)."""
     pairs, threads = [], torch.get_num_threads()
-    for attempt in range(3):
+    for attempt in range(5):
         run = tmp_path / f"run{attempt}"
         proc = subprocess.run([sys.executable, "-m", "recipes.train", f"--job.config_file={DEBUG}",
                                "--training.steps=25", f"--job.dump_folder={run}",
