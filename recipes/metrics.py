@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from slidedp.plan.probe_machine import host_cores
+
 logger = logging.getLogger(__name__)
 
 DENSE_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0,
@@ -44,21 +46,16 @@ def ran_on(device: torch.device) -> dict[str, str | int | None]:
     """What a measured row ran on: the GPU's name, the host CPU's model and the cores this
     process may use. Machines of one kind differ in their hosts (the host-bound steps move with
     them), so a row names its own."""
-    return {"gpu": gpu_name(device), "host_cpu": _cpu_model(),
-            "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count()}
+    return {"gpu": gpu_name(device), "host_cpu": cpu_name(), "host_cores": host_cores()}
 
 
-def _cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows, else None."""
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else its architecture."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
 
 
 def peak_bf16_tflops(gpu: str) -> float | None:

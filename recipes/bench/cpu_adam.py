@@ -22,13 +22,13 @@ GB/s for (a) and (b) count the same useful traffic, 28 bytes/param; (c) counts r
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from recipes.metrics import cpu_name
 from slidedp import cpu_adam
 
 ADAM_BYTES_PER_PARAM = 28  # read p, m, v (12) + bf16 g (2); write p, m, v (12) + bf16 p (2)
@@ -198,14 +198,6 @@ def _default_threads() -> str:
     return ",".join(map(str, counts))
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=200e6, help="parameters per update")
@@ -217,7 +209,7 @@ def main() -> None:
     args = parser.parse_args()
     n = int(args.params)
     thread_counts = [int(t) for t in args.threads.split(",")]
-    meta = {"params": n, "isa": cpu_adam.active_isa(), "torch": torch.__version__, "cpu": _cpu_name(),
+    meta = {"params": n, "isa": cpu_adam.active_isa(), "torch": torch.__version__, "cpu": cpu_name(),
             "cores": len(os.sched_getaffinity(0))}
     print(f"CPU AdamW, {n / 1e6:.0f}M params, ISA {meta['isa']}, torch {meta['torch']}, {meta['cores']} cores")
     rows = run(n, thread_counts, args.repeats)

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, HYPER, Workload, _cpu_name, timed_runs
+from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, HYPER, Workload, timed_runs
+from recipes.metrics import cpu_name
 from slidedp import affinity, cpu_adam, native_build
 from slidedp.plan.triad import (TRIAD_BYTES_PER_ELEM, default_elements, last_level_cache_bytes,
                                 openmp_swap, openmp_triad_binary, openmp_triads, pool_triad_seconds)
@@ -211,7 +212,7 @@ def main() -> None:
     except native_build.NativeBuildError as e:
         print(f"no standalone OpenMP triad, the pool's only: {e}")
         binary = None
-    meta = {"cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)),
+    meta = {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)),
             "last_level_cache_bytes": last_level_cache_bytes(), "elements": elements,
             "repeats": args.repeats, "openmp_triad": binary,
             "omp_proc_bind": os.environ.get("OMP_PROC_BIND", "close"),
