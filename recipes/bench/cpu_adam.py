@@ -21,7 +21,6 @@ GB/s for (a) and (b) count the same useful traffic, 28 bytes/param; (c) counts r
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import torch
 
 from recipes.metrics import cpu_name
 from slidedp import cpu_adam
+from slidedp.plan.probe_machine import host_cores, thread_counts
 
 ADAM_BYTES_PER_PARAM = 28  # read p, m, v (12) + bf16 g (2); write p, m, v (12) + bf16 p (2)
 COPY_BYTES_PER_ELEM = 8  # fp32 read + write
@@ -146,10 +146,10 @@ def torchao_8bit(n: int, repeats: int, steps: int = 5) -> dict[str, float]:
             "max_param_diff_lr": max_param_diff_lr, "codes_differ": codes_differ}
 
 
-def run(n: int, thread_counts: list[int], repeats: int) -> list[dict[str, float]]:
+def run(n: int, counts: list[int], repeats: int) -> list[dict[str, float]]:
     work = Workload(n)
     rows = []
-    for threads in thread_counts:
+    for threads in counts:
         torch.set_num_threads(threads)
         ours = _median_seconds(lambda: work.ours(threads), repeats)
         fused = _median_seconds(work.torch_fused, repeats)
@@ -192,33 +192,28 @@ def markdown(rows: list[dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def _default_threads() -> str:
-    cores = len(os.sched_getaffinity(0))
-    counts = [1 << i for i in range(cores.bit_length()) if 1 << i < cores] + [cores]
-    return ",".join(map(str, counts))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=200e6, help="parameters per update")
-    parser.add_argument("--threads", default=_default_threads(), help="comma-separated thread counts")
+    parser.add_argument("--threads", default=",".join(map(str, thread_counts(host_cores()))),
+                        help="comma-separated thread counts")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per point (median reported)")
     parser.add_argument("--json", help="also write the results to this path")
     parser.add_argument("--torchao", action="store_true",
                         help="also time torchao's AdamW8bit and compare our 8-bit moments with it")
     args = parser.parse_args()
     n = int(args.params)
-    thread_counts = [int(t) for t in args.threads.split(",")]
+    counts = [int(t) for t in args.threads.split(",")]
     meta = {"params": n, "isa": cpu_adam.active_isa(), "torch": torch.__version__, "cpu": cpu_name(),
-            "cores": len(os.sched_getaffinity(0))}
+            "cores": host_cores()}
     print(f"CPU AdamW, {n / 1e6:.0f}M params, ISA {meta['isa']}, torch {meta['torch']}, {meta['cores']} cores")
-    rows = run(n, thread_counts, args.repeats)
+    rows = run(n, counts, args.repeats)
     print(markdown(rows))
     if args.torchao:
-        torch.set_num_threads(max(thread_counts))
+        torch.set_num_threads(max(counts))
         meta["torchao"] = torchao_8bit(n, args.repeats)
         t = meta["torchao"]
-        print(f"torchao AdamW8bit ({max(thread_counts)} torch threads): {t['torchao_gparams']:.2f} Gparam/s, "
+        print(f"torchao AdamW8bit ({max(counts)} torch threads): {t['torchao_gparams']:.2f} Gparam/s, "
               f"{t['torchao_gbs']:.1f} GB/s; ours after 5 identical steps: params within "
               f"{t['max_param_diff_lr']:.3f} lr, {t['codes_differ']:.4%} of codes differ")
     if args.json:
