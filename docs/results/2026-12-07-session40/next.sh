@@ -1,19 +1,33 @@
 #!/bin/bash
-# A device call of session 40's start ($1: the call's number in that start), sized so that three
-# calls fit the device time left after two failed starts. Every call first checks each SlideDP
-# option it measures against `single` on the GPU (docs/PERFORMANCE.md rule 2). On an H200: issue
-# 25 item 5 at 1-4 sequences against ZeRO-2 Offload (h200_small.toml). On an H100: SlideDP's
-# measured best at 2 and 4 beside the step-time model's settings (h100_planned_2to4.toml).
+# A device call of a machine start ($1: the call's number in that start); moved here from session
+# 39's folder, with plans sized for a start that has about 1,250 s left. Every call first checks
+# each SlideDP option it measures against `single` on the GPU (docs/PERFORMANCE.md rule 2).
+# PLAN=small (the default; three calls take about 1,200 s):
+#   H200: issue 25 item 5 at 1-4 sequences against ZeRO-2 Offload (h200_small.toml);
+#   H100: SlideDP's measured best at 2 and 4 beside the step-time model's settings.
+# PLAN=full (three calls take about 1,650 s):
+#   H200: the head-to-head over 1-16 against ZeRO-2 Offload;
+#   H100: the measured best against the model's settings over 2-16.
+# PLAN=zero3 (H100, about 1,550 s): the withdrawn ZeRO-3 Offload ratio, SlideDP's best per batch first.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "$gpu call $1 $(date -u +%FT%TZ)" >> "$OUT/calls.txt"
+plan=${PLAN:-small}
+echo "$gpu call $1 $plan $(date -u +%FT%TZ)" >> "$OUT/calls.txt"
 here=docs/results/2026-12-07-session40
-case "$gpu" in
-  *H200*) suites="deepspeed_install $here/h200_small.toml"
-          options="(all-resident and not bf16) or (real_size and resident)" ;;
-  *) suites="$here/h100_planned_2to4.toml"
-     options="keep or offload or segments or ops or (real_size and resident)" ;;
+resident="(real_size and resident)"
+case "$gpu $plan" in
+  *H200*small) suites="deepspeed_install $here/h200_small.toml"
+               options="(all-resident and not bf16) or $resident" ;;
+  *H200*full) suites="deepspeed_install head_to_head slidedp_best"
+              options="(all-resident and not bf16) or keep or selective or ops or offload" ;;
+  *small) suites="$here/h100_planned_2to4.toml"
+          options="keep or offload or segments or ops or $resident" ;;
+  *full) suites="docs/results/2026-12-07-session39/h100_slidedp_planned.toml"
+         options="keep or selective or offload or segments or ops" ;;
+  *zero3) suites="deepspeed_install docs/results/2026-12-07-session38/h100_slidedp_best.toml docs/results/2026-12-07-session39/h100_zero3_offload.toml"
+          options="keep or selective or (all-resident and not bf16)" ;;
+  *) echo "no plan $plan for $gpu" >&2; exit 2 ;;
 esac
 # DeepSpeed does not survive between calls: a plan with a DeepSpeed peer installs it in every one.
 python -m recipes.bench.suite "$OUT/s" $suites --set ds_wheels=.whl-ds --set launches=1 \
