@@ -2,7 +2,8 @@
 # A device call of a machine start ($1: the call's number in that start); moved here from session
 # 39's folder, with plans sized for a start that has about 1,250 s left. Every call first checks
 # each SlideDP option it measures against `single` on the GPU (docs/PERFORMANCE.md rule 2).
-# PLAN=small (the default; three calls take about 1,200 s):
+# LAUNCHES (default 1): launches of each setting in this call; a start of two calls runs 2, then 1.
+# PLAN=small (the default; three calls take about 1,200 s, or two with LAUNCHES=2 in the first):
 #   H200: issue 25 item 5 at 1-4 sequences against ZeRO-2 Offload (h200_small.toml);
 #   H100: SlideDP's measured best at 2 and 4 beside the step-time model's settings.
 # PLAN=full (three calls take about 1,650 s):
@@ -30,5 +31,5 @@ case "$gpu $plan" in
   *) echo "no plan $plan for $gpu" >&2; exit 2 ;;
 esac
 # DeepSpeed does not survive between calls: a plan with a DeepSpeed peer installs it in every one.
-python -m recipes.bench.suite "$OUT/s" $suites --set ds_wheels=.whl-ds --set launches=1 \
+python -m recipes.bench.suite "$OUT/s" $suites --set ds_wheels=.whl-ds --set launches=${LAUNCHES:-1} \
   --set correctness.select="base or (embedding-gpu and not clipping) or $options"
