@@ -18,7 +18,7 @@ echo "$gpu call $1 $plan $(date -u +%FT%TZ)" >> "$OUT/calls.txt"
 here=docs/results/2026-12-07-session40
 resident="(real_size and resident)"
 case "$gpu $plan" in
-  *H200*small) suites="deepspeed_install $here/h200_small.toml"
+  *H200*small) suites="deepspeed_install $here/h200_small.toml"; LAUNCHES=1  # two do not fit a call
                options="(all-resident and not bf16) or $resident" ;;
   *H200*full) suites="deepspeed_install head_to_head slidedp_best"
               options="(all-resident and not bf16) or keep or selective or ops or offload" ;;
