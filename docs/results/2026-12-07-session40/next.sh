@@ -2,7 +2,8 @@
 # A device call of a machine start ($1: the call's number in that start); moved here from session
 # 39's folder, with plans sized for a start that has about 1,250 s left. Every call first checks
 # each SlideDP option it measures against `single` on the GPU (docs/PERFORMANCE.md rule 2).
-# LAUNCHES (default 1): launches of each setting in this call; a start of two calls runs 2, then 1.
+# LAUNCHES (default 1): launches of each setting in this call; a start of two calls runs 2, then 1;
+# a start of one call runs 3 on an H100, and the suite's deadline leaves out what does not fit.
 # PLAN=small (the default; three calls take about 1,200 s, or two with LAUNCHES=2 in the first):
 #   H200: issue 25 item 5 at 1-4 sequences against ZeRO-2 Offload (h200_small.toml);
 #   H100: SlideDP's measured best at 2 and 4 beside the step-time model's settings.
