@@ -8,11 +8,10 @@ update's bytes are counted at 28 per parameter, the triads' as STREAM counts the
     python -m recipes.reproduce.cpu_adam_scaling [--params 200e6] [--threads 1,2,4,8,16]
 """
 
-import os
-
 from recipes.bench import cpu_adam
 from recipes.reproduce.common import Column, log2_axis, parser, start, write_outputs
 from slidedp import native_build
+from slidedp.plan.probe_machine import host_cores, thread_counts
 from slidedp.plan.triad import OpenMPTriad, default_elements, openmp_triads, triad
 
 PAPER = ("on the H100 host CPU Adam reaches an estimated 182-184 GB/s at 16 physical cores "
@@ -68,9 +67,7 @@ def main() -> None:
                    "(default: 4x the last-level caches, STREAM's rule)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per point")
     args = p.parse_args()
-    cores = len(os.sched_getaffinity(0))
-    all_threads = ",".join(map(str, [1 << i for i in range(cores.bit_length()) if 1 << i < cores]
-                               + [cores]))
+    all_threads = ",".join(map(str, thread_counts(host_cores())))
     runner = start(args, "cpu_adam_scaling",
                    gpu={"params": 200e6, "threads": all_threads,
                         "stream_elements": default_elements()},
