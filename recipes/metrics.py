@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from slidedp.plan.probe_machine import host_cores
+from slidedp.cpu_adam import host_cores
 
 logger = logging.getLogger(__name__)
 

@@ -117,10 +117,15 @@ def active_isa() -> str:
     return forced
 
 
+def host_cores() -> int:
+    """The cores this process may run on: its affinity mask (the CPU count where there is none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_num_threads(*, local_world: int | None = None) -> int:
     """This process's share of the cores: its affinity mask split among the node's ranks
     (`local_world`; default LOCAL_WORLD_SIZE, else 1)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = host_cores()
     if local_world is None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, cores // max(1, local_world))

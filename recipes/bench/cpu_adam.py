@@ -29,7 +29,7 @@ import torch
 
 from recipes.metrics import cpu_name
 from slidedp import cpu_adam
-from slidedp.plan.probe_machine import host_cores, thread_counts
+from slidedp.plan.probe_machine import thread_counts
 
 ADAM_BYTES_PER_PARAM = 28  # read p, m, v (12) + bf16 g (2); write p, m, v (12) + bf16 p (2)
 COPY_BYTES_PER_ELEM = 8  # fp32 read + write
@@ -195,7 +195,7 @@ def markdown(rows: list[dict[str, float]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=200e6, help="parameters per update")
-    parser.add_argument("--threads", default=",".join(map(str, thread_counts(host_cores()))),
+    parser.add_argument("--threads", default=",".join(map(str, thread_counts(cpu_adam.host_cores()))),
                         help="comma-separated thread counts")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per point (median reported)")
     parser.add_argument("--json", help="also write the results to this path")
@@ -205,7 +205,7 @@ def main() -> None:
     n = int(args.params)
     counts = [int(t) for t in args.threads.split(",")]
     meta = {"params": n, "isa": cpu_adam.active_isa(), "torch": torch.__version__, "cpu": cpu_name(),
-            "cores": host_cores()}
+            "cores": cpu_adam.host_cores()}
     print(f"CPU AdamW, {n / 1e6:.0f}M params, ISA {meta['isa']}, torch {meta['torch']}, {meta['cores']} cores")
     rows = run(n, counts, args.repeats)
     print(markdown(rows))

@@ -31,7 +31,6 @@ import torch
 from recipes.bench.cpu_adam import ADAM_BYTES_PER_PARAM, HYPER, Workload, timed_runs
 from recipes.metrics import cpu_name
 from slidedp import affinity, cpu_adam, native_build
-from slidedp.plan.probe_machine import host_cores
 from slidedp.plan.triad import (TRIAD_BYTES_PER_ELEM, default_elements, last_level_cache_bytes,
                                 openmp_swap, openmp_triad_binary, openmp_triads, pool_triad_seconds)
 
@@ -198,7 +197,7 @@ def describe(row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", default=str(host_cores()),
+    parser.add_argument("--threads", default=str(cpu_adam.host_cores()),
                         help="comma-separated thread counts (default: every core)")
     parser.add_argument("--elements", type=int, default=0,
                         help="elements per array (0: 4x the last-level caches)")
@@ -213,7 +212,7 @@ def main() -> None:
     except native_build.NativeBuildError as e:
         print(f"no standalone OpenMP triad, the pool's only: {e}")
         binary = None
-    meta = {"cpu": cpu_name(), "cores": host_cores(),
+    meta = {"cpu": cpu_name(), "cores": cpu_adam.host_cores(),
             "last_level_cache_bytes": last_level_cache_bytes(), "elements": elements,
             "repeats": args.repeats, "openmp_triad": binary,
             "omp_proc_bind": os.environ.get("OMP_PROC_BIND", "close"),

@@ -11,7 +11,8 @@ update's bytes are counted at 28 per parameter, the triads' as STREAM counts the
 from recipes.bench import cpu_adam
 from recipes.reproduce.common import Column, log2_axis, parser, start, write_outputs
 from slidedp import native_build
-from slidedp.plan.probe_machine import host_cores, thread_counts
+from slidedp.cpu_adam import host_cores
+from slidedp.plan.probe_machine import thread_counts
 from slidedp.plan.triad import OpenMPTriad, default_elements, openmp_triads, triad
 
 PAPER = ("on the H100 host CPU Adam reaches an estimated 182-184 GB/s at 16 physical cores "

@@ -28,8 +28,9 @@ from models.meta import on_meta
 from protocols.model_spec import ModelArgs, spec_of
 from slidedp.activations import (KEEP, RECOMPUTE, ActivationPolicy, BlockSegments, block_input,
                                  measure_costs, parse_policy)
-from slidedp.plan.probe_machine import (ProbeSizes, barrier, host_cores, issue_and_run_seconds,
-                                        probe_machine, share, sync)
+from slidedp.cpu_adam import host_cores
+from slidedp.plan.probe_machine import (ProbeSizes, barrier, issue_and_run_seconds, probe_machine,
+                                        share, sync)
 from slidedp.plan.rates import (BlockTiming, Machine, Rates, cache_dir, cache_path, load_rates,
                                 issue_key, model_key, shipped_names, this_host, timing_key)
 from slidedp.plan.workload import segment_flops

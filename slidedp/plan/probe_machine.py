@@ -7,7 +7,6 @@ slidedp/plan/triad.py). On the CPU the device is the CPU and the same code runs 
 memory copies, collectives are gloo's). slidedp/plan/probe.py times the model and caches both.
 """
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -74,10 +73,6 @@ def median_seconds(fn: Callable[[], None], *, device: torch.device, repeats: int
 def thread_counts(cores: int) -> list[int]:
     counts = [1 << i for i in range(cores.bit_length()) if 1 << i < cores]
     return counts + [cores]
-
-
-def host_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def barrier(group) -> None:
@@ -191,7 +186,7 @@ def probe_machine(device: torch.device, *, rank: int = 0, world: int = 1, group=
                   log: Callable[[str], None] = print) -> Rates:
     """This machine's rates with `world` ranks (each calls it; `group` spans them). Every rank
     returns rank 0's figures."""
-    cores = host_cores()
+    cores = cpu_adam.host_cores()
     say = log if rank == 0 else (lambda _: None)
     copies = _copies(device, rank=rank, world=world, group=group, sizes=sizes, log=say)
     collectives = _collectives(device, world=world, group=group, sizes=sizes, log=say)
