@@ -43,10 +43,12 @@ def gpu_name(device: torch.device) -> str | None:
 
 
 def ran_on(device: torch.device) -> dict[str, str | int | None]:
-    """What a measured row ran on: the GPU's name, the host CPU's model and the cores this
-    process may use. Machines of one kind differ in their hosts (the host-bound steps move with
-    them), so a row names its own."""
-    return {"gpu": gpu_name(device), "host_cpu": cpu_name(), "host_cores": host_cores()}
+    """What a measured row ran on: the GPU's name, the host CPU's model, the cores this
+    process may use and the CUDA allocator's settings (None: torch's default). Machines of one
+    kind differ in their hosts (the host-bound steps move with them), so a row names its own; a
+    point that fits with expandable segments can fail on the default allocator's fragments."""
+    return {"gpu": gpu_name(device), "host_cpu": cpu_name(), "host_cores": host_cores(),
+            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
 
 
 def cpu_name() -> str:

@@ -204,6 +204,7 @@ def test_each_row_records_what_its_timed_steps_trained(mode, tmp_path):
         assert r["valid"] is True and r["invalid_reason"] is None
         # What it ran on: no GPU here, this host's CPU and the cores the process may use.
         assert r["gpu"] is None and r["host_cpu"] and r["host_cores"] >= 1
+        assert r["cuda_alloc_conf"] == subprocess_env().get("PYTORCH_CUDA_ALLOC_CONF")
     assert report([str(out)]).count(f"| {mode} |") == 2
 
 

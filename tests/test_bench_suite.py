@@ -18,7 +18,7 @@ import pytest
 from recipes.bench import suite
 from recipes.bench.config import BenchConfig, check, mode
 from recipes.bench.suite_file import SUITES, SuiteError, load_suite, parse_sets, shipped_suites
-from recipes.bench.suite_runner import BENCH
+from recipes.bench.suite_runner import BENCH, launch_env
 from recipes.config import ConfigError, parse_config
 from tests.conftest import REPO, subprocess_env
 
@@ -188,7 +188,6 @@ def test_every_shipped_suite_parses_and_prints_its_commands(tmp_path):
     assert all(f"--bench.batches {b}" in named["strong_scaling_14b"] for b in (32, 64))
     assert named["million_tokens"].count("recipes.bench.throughput") == 1  # the first that fits
     assert "castcopy_x8.json" in named["cast_copy"]
-    assert "PYTORCH_CUDA_ALLOC_CONF" in named["long_context"]
     assert not (tmp_path / "out").exists()
 
 
@@ -231,6 +230,20 @@ def test_a_suite_that_cannot_run_as_written_is_refused_before_anything_runs(tmp_
     bad = _suite(tmp_path / "bad.toml", text)
     with pytest.raises(SuiteError, match=error.replace("$", r"\$").replace("{", r"\{")):
         load_suite(str(bad), {}, {"out": "o", "repo": REPO, "ngpu": 1})
+
+
+def test_a_launch_runs_with_run_train_shs_allocator_unless_the_caller_sets_one(monkeypatch):
+    """The bench launches with run_train.sh's expandable segments (the planner's fit assumes
+    them), a caller's own setting wins, and NVLink multicast stays off whatever the caller says."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    env = launch_env(2)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    assert launch_env(1)["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
 
 
 def test_set_overrides_a_suites_variables_and_its_deadline():

@@ -12,7 +12,9 @@ it fails, nothing is measured and the runner exits 1. Bench rows go to OUT_DIR/r
 launch's output to OUT_DIR/logs/, one progress line per launch to stdout, and at the end the
 headline table (recipes.bench.headline) of OUT_DIR/runs.jsonl. Every launch runs with NVLink
 multicast off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1),
-PYTHONUNBUFFERED=1, OMP_NUM_THREADS = cores / ranks and the repository on PYTHONPATH. The exit
+PYTHONUNBUFFERED=1, OMP_NUM_THREADS = cores / ranks, the repository on PYTHONPATH and, unless
+the caller's environment sets one, run_train.sh's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+(the allocator training runs with, which the planner's fit assumes). The exit
 status is 1 if a launch failed or was killed (the suite goes on past it), 2 before anything
 runs for a suite that cannot run as written, an OUT_DIR that holds an earlier invocation's
 results, or a module the launches import that this Python lacks. --dry-run prints every

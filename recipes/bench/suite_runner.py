@@ -25,6 +25,20 @@ MIN_LEFT_S = 10
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1"}
 """NVLink multicast off (the lent machines do not allow it) and unbuffered logs."""
+DEFAULT_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+"""What a launch gets unless the caller's environment sets it: run_train.sh's allocator, so that
+a bench measures the allocator training runs with (the planner's fit assumes it: a plan that
+fits by its allocations can fail on the default allocator's fragments)."""
+
+
+def launch_env(ranks: int) -> dict[str, str]:
+    """The environment of a bench launch of `ranks` ranks, as run_train.sh sets training's:
+    DEFAULT_ENV under the caller's, ENV over it, each rank's share of the cores and the
+    repository on PYTHONPATH."""
+    cores = len(os.sched_getaffinity(0))
+    path = os.environ.get("PYTHONPATH")
+    return {**DEFAULT_ENV, **os.environ, **ENV, "OMP_NUM_THREADS": str(max(1, cores // ranks)),
+            "PYTHONPATH": os.pathsep.join(filter(None, [path, str(REPO)]))}
 
 
 def flag_value(args: list[str], flag: str) -> str | None:
@@ -62,10 +76,7 @@ class Runner:
     last_log: Path | None = None
 
     def __post_init__(self):
-        cores = len(os.sched_getaffinity(0))
-        path = os.environ.get("PYTHONPATH")
-        self.env = dict(os.environ, **ENV, OMP_NUM_THREADS=str(max(1, cores // self.ngpu)),
-                        PYTHONPATH=os.pathsep.join(filter(None, [path, str(REPO)])))
+        self.env = launch_env(self.ngpu)
 
     # -- one launch -------------------------------------------------------------------------
 

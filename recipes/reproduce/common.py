@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes.bench.rows import read_rows
+from recipes.bench.suite_runner import launch_env
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = Path("docs/results")
@@ -232,15 +233,6 @@ class Runner:
         """--nproc, else every GPU, else `default_cpu` CPU ranks."""
         return self.args.nproc or self.gpus or default_cpu
 
-    def env(self, nproc: int) -> dict[str, str]:
-        cores = len(os.sched_getaffinity(0))
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        # As run_train.sh and recipes/bench/suite_runner.py: each rank's share of the cores, and
-        # NVLink multicast off.
-        return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1",
-                    OMP_NUM_THREADS=str(max(1, cores // nproc)), NCCL_NVLS_ENABLE="0",
-                    TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-
     def bench(self, flags: Sequence[str], *, nproc: int, label: str = "",
               common: bool = True) -> list[dict]:
         """One launch of the bench with `flags` (plus the run's model, sequence, kernels, clipping
@@ -251,7 +243,7 @@ class Runner:
                   f"--training.steps={a.steps}", f"--bench.warmup={a.warmup}"] if common else []
         bench = ["-m", "recipes.bench.throughput", *shared, *flags, f"--bench.label={label}",
                  "--slidedp.check_host_memory=false", f"--bench.out={self.jsonl}"]
-        env = self.env(nproc)
+        env = launch_env(nproc)
         if nproc == 1:  # one process, no launcher (seconds less per point): its own group
             cmd = [sys.executable, *bench]
         else:

@@ -44,6 +44,7 @@ from collections import Counter
 from pathlib import Path
 from typing import get_args
 
+from recipes.bench.suite_runner import launch_env
 from recipes.bpe import train_bpe
 from slidedp.config import MomentsDtype
 from recipes.reproduce.common import (HOST_RSS, REPO, TOKENS, Column, Runner, parser, start,
@@ -149,7 +150,7 @@ def train(runner: Runner, data: Path, run: str, label: str,
     print(f"[{runner.experiment}] {label}: {a.steps} steps with {dtype} moments", flush=True)
     began = time.perf_counter()
     try:
-        proc = subprocess.run([*cmd, *flags], cwd=REPO, env=runner.env(nproc),
+        proc = subprocess.run([*cmd, *flags], cwd=REPO, env=launch_env(nproc),
                               capture_output=True, text=True, timeout=a.timeout)
         output, failed = proc.stdout + proc.stderr, proc.returncode != 0
     except subprocess.TimeoutExpired as e:
