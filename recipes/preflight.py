@@ -11,6 +11,7 @@ build a model. The launch of several ranks also adds flags: mode "single" become
 
 import errno
 import importlib.util
+import logging
 import math
 import os
 import tempfile
@@ -30,6 +31,8 @@ from slidedp.speculative import check_speculative
 from recipes.baselines.memory import baseline_footprint
 from slidedp.plan.memory import (REFUSE_ABOVE, Kernel, MemoryEstimate, estimate_device_memory,
                                  estimate_memory)
+
+logger = logging.getLogger(__name__)
 
 MULTI_RANK_MODE = "fsdp2"
 """What a launch of several ranks runs when the configuration says "single"."""
@@ -202,13 +205,30 @@ def largest_fitting_batch(config: JobConfig, args: ModelArgs, *, world: int, cap
     return low
 
 
+FRAGMENTS_WARN_ABOVE = 0.8
+"""An estimate above this share of the device warns under torch's default CUDA allocator: the
+fragments it caches can take the headroom of a step that fits by its allocations."""
+
+
+def allocator_warning(estimate: int, capacity: int, alloc_conf: str | None) -> str | None:
+    """What to say before a run whose `estimate` bytes leave little of `capacity` while the
+    allocator (`alloc_conf`, PYTORCH_CUDA_ALLOC_CONF) is not growing its segments in place."""
+    if "expandable_segments:True" in (alloc_conf or ""):
+        return None
+    if estimate <= capacity * FRAGMENTS_WARN_ABOVE:
+        return None
+    return (f"device memory: about {_gib(estimate)} of {_gib(capacity)} per device with torch's "
+            "default CUDA allocator, whose cached fragments can leave too little for a step that "
+            "fits; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (run_train.sh does)")
+
+
 def check_device_memory(config: JobConfig, args: ModelArgs, *, world: int, capacity: int,
-                        kernels: Kernel = "torch") -> None:
+                        kernels: Kernel = "torch") -> MemoryEstimate:
     """Refuse when the estimate (device_memory) clearly exceeds one device's
-    `capacity` bytes, with the numbers and what to change."""
+    `capacity` bytes, with the numbers and what to change; else the estimate."""
     est = device_memory(config, args, world=world, kernels=kernels)
     if est.total <= capacity * REFUSE_ABOVE:
-        return
+        return est
     mode = config.parallelism.mode
     parts = est.parts(_gib)
     fits = largest_fitting_batch(config, args, world=world, capacity=capacity, kernels=kernels)
@@ -294,7 +314,10 @@ def _check_memory(config: JobConfig, args: ModelArgs, *, world: int, device: tor
     if device.type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory
         kernels = resolve_kernels(config.model.kernels, device_type="cuda").name
-        check_device_memory(config, args, world=world, capacity=capacity, kernels=kernels)
+        est = check_device_memory(config, args, world=world, capacity=capacity, kernels=kernels)
+        alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        if warning := allocator_warning(est.total, capacity, alloc_conf):
+            logger.warning(warning)
 
 
 def _check_writable(key: str, directory: str) -> None:

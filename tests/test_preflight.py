@@ -14,7 +14,8 @@ from protocols.model_spec import get_flavor
 from recipes.batches import build_batches
 from recipes.config import ConfigError, JobConfig, parse_config
 from recipes.model import build_model
-from recipes.preflight import (check_device_memory, check_host_memory, check_run, check_seq_len,
+from recipes.preflight import (allocator_warning, check_device_memory, check_host_memory,
+                               check_run, check_seq_len,
                                device_memory, largest_fitting_batch, launch_flags,
                                slidedp_host_bytes)
 from slidedp.activations import parse_policy
@@ -183,6 +184,19 @@ def test_estimate_is_near_the_measured_peak(mode, flavor, batch, slidedp, measur
     est = device_memory(config, get_flavor(flavor), world=2)
     assert 0.9 < est.total / GiB / measured < 1.2
     check_device_memory(config, get_flavor(flavor), world=2, capacity=H200)
+
+
+def test_a_run_near_the_devices_limit_on_the_default_allocator_is_warned_of_its_fragments():
+    """Above 80% of the device, torch's default allocator gets a warning that names the fix
+    (the step-time model's 70.8 GiB plan for 80 GB failed on its fragments); expandable segments,
+    or room to spare, get none."""
+    h100 = int(79.2 * GiB)
+    warning = allocator_warning(int(70.8 * GiB), h100, None)
+    assert warning and "70.8 GiB of 79.2 GiB" in warning
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in warning
+    assert allocator_warning(int(70.8 * GiB), h100, "max_split_size_mb:512") == warning
+    assert allocator_warning(int(70.8 * GiB), h100, "expandable_segments:True") is None
+    assert allocator_warning(int(60 * GiB), h100, None) is None
 
 
 # Peak allocated GiB on one H200 (docs/results/2026-12-01-h200/h200_call3_runs.jsonl), Qwen3-4B,
