@@ -188,7 +188,7 @@ def test_estimate_is_near_the_measured_peak(mode, flavor, batch, slidedp, measur
 
 def test_a_run_near_the_devices_limit_on_the_default_allocator_is_warned_of_its_fragments():
     """Above 80% of the device, torch's default allocator gets a warning that names the fix
-    (the step-time model's 70.8 GiB plan for 80 GB failed on its fragments); expandable segments,
+    (a step that fits by its allocations can fail on its fragments); expandable segments,
     or room to spare, get none."""
     h100 = int(79.2 * GiB)
     warning = allocator_warning(int(70.8 * GiB), h100, None)
