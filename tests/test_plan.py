@@ -187,6 +187,18 @@ def test_the_cache_is_keyed_by_model_and_kernels():
     assert len(keys) == 4
 
 
+def test_the_rates_cache_defaults_under_the_runtime_cache(tmp_path, monkeypatch):
+    """Without $SLIDEDP_RATES_DIR the probe caches under the runtime's cache folder (every other
+    test sets it, so only this one walks the default)."""
+    from slidedp.plan.rates import cache_dir
+
+    monkeypatch.delenv("SLIDEDP_RATES_DIR", raising=False)
+    monkeypatch.setenv("SLIDEDP_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path / "rates"
+    monkeypatch.setenv("SLIDEDP_RATES_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
 def test_the_plan_stage_entry_points_on_the_debug_model(tmp_path):
     """What the `plan` suite (recipes/bench/suites/plan.toml) runs, on the debug model on the
     CPU: the probe writes its rates, the predictions are written before anything is measured,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from protocols.model_spec import ModelArgs
-from slidedp.native_build import cache_dir
+from slidedp import native_build
 from slidedp.activations import BlockCost, Bytes
 
 SHIPPED = Path(__file__).parent / "rates"
@@ -286,7 +286,7 @@ def cache_dir() -> Path:
     ~/.cache/slidedp)."""
     if os.environ.get("SLIDEDP_RATES_DIR"):
         return Path(os.environ["SLIDEDP_RATES_DIR"])
-    return cache_dir() / "rates"
+    return native_build.cache_dir() / "rates"
 
 
 def cache_path(machine: Machine, model: str) -> Path:
