@@ -6,8 +6,9 @@
 # a start of one call runs 3 on an H100, and the suite's deadline leaves out what does not fit.
 # PLAN=small (the default; three calls take about 1,200 s, or two with LAUNCHES=2 in the first):
 #   H200: issue 25 item 5 at 1-4 sequences against ZeRO-2 Offload (h200_small.toml);
-#   H100: SlideDP's measured best at 8 and 16 beside the step-time model's settings (session
-#   41's start ran the 2 and 4 half: docs/results/2026-12-07-h100-session41/).
+#   H100: SlideDP's measured best at 4 beside the step-time model's setting, 3 launches a side
+#   under one allocator (sessions 41 and 42 ran the rest of 2-16: docs/results/2026-12-07-h100-
+#   session41/ and -session42/); LAUNCHES=3 in one call.
 # PLAN=full (three calls take about 1,650 s):
 #   H200: the head-to-head over 1-16 against ZeRO-2 Offload;
 #   H100: the measured best against the model's settings over 2-16.
@@ -24,7 +25,7 @@ case "$gpu $plan" in
                options="(all-resident and not bf16) or $resident" ;;
   *H200*full) suites="deepspeed_install head_to_head slidedp_best"
               options="(all-resident and not bf16) or keep or selective or ops or offload" ;;
-  *small) suites="docs/results/2026-12-07-h100-session41/h100_planned_8to16.toml"
+  *small) suites="docs/results/2026-12-07-h100-session42/h100_planned_4.toml"
           options="selective or offload or segments or ops or $resident" ;;
   *full) suites="docs/results/2026-12-07-session39/h100_slidedp_planned.toml"
          options="keep or selective or offload or segments or ops" ;;
