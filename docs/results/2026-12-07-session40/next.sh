@@ -13,6 +13,8 @@
 #   H200: the head-to-head over 1-16 against ZeRO-2 Offload;
 #   H100: the measured best against the model's settings over 2-16.
 # PLAN=zero3 (H100, about 1,550 s): the withdrawn ZeRO-3 Offload ratio, SlideDP's best per batch first.
+# PLAN=probe (either card, about 300 s): the probe's rates of this host for Qwen3-4B at 2 sequences,
+#   with the host's launch (issue) times, which no shipped rates file has; it measures no figure.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -20,6 +22,11 @@ plan=${PLAN:-small}
 echo "$gpu call $1 $plan $(date -u +%FT%TZ)" >> "$OUT/calls.txt"
 here=docs/results/2026-12-07-session40
 resident="(real_size and resident)"
+if [ "$plan" = probe ]; then  # the model's 2-sequence setting's policy among those timed
+  SLIDEDP_RATES_DIR="$OUT/rates" timeout 540 python -m recipes.probe train_configs/h200_qwen3_4b_slidedp.toml \
+    --training.local_batch_size 2 --slidedp.activation 'ops(matmul+attention)' --out "$OUT/rates_4b.json"
+  exit
+fi
 case "$gpu $plan" in
   *H200*small) suites="deepspeed_install $here/h200_small.toml"; LAUNCHES=1  # two do not fit a call
                options="(all-resident and not bf16) or $resident" ;;
