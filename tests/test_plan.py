@@ -187,6 +187,21 @@ def test_the_cache_is_keyed_by_model_and_kernels():
     assert len(keys) == 4
 
 
+def test_the_plan_says_where_the_rates_hold_no_launch_times():
+    """Recorded GPU rates without launch times count the host's launches as free: the plan says
+    so; rates with them for the run's kernels, and the CPU's (launches are 0 there), do not."""
+    from dataclasses import replace
+
+    from slidedp.plan.report import issue_note
+
+    h100 = load_rates("h100")
+    assert not h100.issue_s and "no launch times for the liger kernels" in issue_note(h100, "liger")[0]
+    timed = replace(h100, issue_s={"liger/keep/forward": 1e-3})
+    assert issue_note(timed, "liger") == [] and issue_note(timed, "torch") != []
+    cpu = replace(h100, machine=replace(h100.machine, device="cpu"))
+    assert issue_note(cpu, "torch") == []
+
+
 def test_the_rates_cache_defaults_under_the_runtime_cache(tmp_path, monkeypatch):
     """Without $SLIDEDP_RATES_DIR the probe caches under the runtime's cache folder (every other
     test sets it, so only this one walks the default)."""

@@ -74,6 +74,17 @@ def dtype_note(job: Job, rates: Rates) -> list[str]:
             f"{run} (training.dtype): its compute times are {rates.compute_dtype}'s"]
 
 
+def issue_note(rates: Rates, kernels: str) -> list[str]:
+    """A line where GPU rates hold no launch (issue) times for `kernels`: the model then counts
+    the host's launches as free, while at few sequences a block's launches can outlast its
+    kernels."""
+    if rates.machine.on_cpu or any(k.startswith(f"{kernels}/") for k in rates.issue_s):
+        return []
+    return [f"launches: these rates hold no launch times for the {kernels} kernels, so the step "
+            f"counts the host's kernel launches as free (`python -m recipes.probe` on the "
+            f"machine measures them)"]
+
+
 def describe_rates(rates: Rates) -> str:
     m = rates.machine
     label = {"measured": "measured here", "recorded": "taken from recorded runs",
@@ -187,7 +198,8 @@ def plan_text(job: Job, rates: Rates, *, world: int,
     return [f"plan of {describe_run(job, world=world, kernels=kernels)}",
             f"on {describe_rates(rates)}", *describe_nodes(nodes, link, config.slidedp.nodes_state),
             f"activations: {format_blocks(list(plan.policies))}",
-            *dtype_note(job, rates), *format_memory(plan, rates), *caveat, *step]
+            *dtype_note(job, rates), *issue_note(rates, kernels), *format_memory(plan, rates),
+            *caveat, *step]
 
 
 def _resident_mode_text(job: Job, rates: Rates, est: MemoryEstimate, *, world: int,
