@@ -12,7 +12,8 @@
 # PLAN=full (three calls take about 1,650 s):
 #   H200: the head-to-head over 1-16 against ZeRO-2 Offload;
 #   H100: the measured best against the model's settings over 2-16.
-# PLAN=zero3 (H100, about 1,550 s): the withdrawn ZeRO-3 Offload ratio, SlideDP's best per batch first.
+# PLAN=zero3 (H100, about 1,600 s): the withdrawn ZeRO-3 Offload ratio, SlideDP's best per batch first
+#   (the model's settings at 2-16 since session 42).
 # PLAN=probe (either card, about 300 s): the probe's rates of this host for Qwen3-4B at 2 sequences,
 #   with the host's launch (issue) times, which no shipped rates file has; it measures no figure.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -36,8 +37,8 @@ case "$gpu $plan" in
           options="selective or offload or segments or ops or $resident" ;;
   *full) suites="docs/results/2026-12-07-session39/h100_slidedp_planned.toml"
          options="keep or selective or offload or segments or ops" ;;
-  *zero3) suites="deepspeed_install docs/results/2026-12-07-session38/h100_slidedp_best.toml docs/results/2026-12-07-session39/h100_zero3_offload.toml"
-          options="keep or selective or (all-resident and not bf16)" ;;
+  *zero3) suites="deepspeed_install docs/results/2026-12-07-h100-session42/h100_slidedp_best.toml docs/results/2026-12-07-session39/h100_zero3_offload.toml"
+          options="(all-resident and not bf16) or selective or offload or segments or ops or $resident" ;;
   *) echo "no plan $plan for $gpu" >&2; exit 2 ;;
 esac
 # DeepSpeed does not survive between calls: a plan with a DeepSpeed peer installs it in every one.
