@@ -1,16 +1,18 @@
 """The benchmark suites' runner (recipes/bench/suite.py) on the CPU, in real processes: a suite
 on the debug model writes its rows and the headline table, the peer-peak step relaunches the
 sweep's fastest point, a failing correctness stage measures nothing, a launch past its limit is
-killed (every descendant too) and the suite goes on, and every shipped suite file parses and
-prints its commands."""
+killed (every descendant too) and the suite goes on, a runner stopped by SIGTERM kills its
+launch first, and every shipped suite file parses and prints its commands."""
 
 import importlib.util
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,40 @@ def test_a_launch_past_its_limit_is_killed_with_its_descendants_and_the_suite_go
     assert "fits batch 32: rc 1" in proc.stdout and "fits batch 28: rc 0" in proc.stdout
     assert "batch 24" not in proc.stdout
     assert "4 launches, 1 failed" in proc.stdout
+
+
+def test_a_runner_stopped_by_sigterm_kills_its_launch_first(tmp_path):
+    """An outer timeout sends SIGTERM to the runner while a launch (in a session of its own, with
+    a child in another) runs: the runner kills both before it exits 143, so no launch goes on
+    writing rows into the next invocation's OUT_DIR."""
+    pids = tmp_path / "pids"
+    (tmp_path / "sleeper.py").write_text(textwrap.dedent(f"""
+        import os, subprocess, time
+        c = subprocess.Popen(["sleep", "120"], start_new_session=True)
+        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{c.pid}}")
+        time.sleep(120)
+        """))
+    slow = _suite(tmp_path / "slow.toml", """
+        [[workload]]
+        name = "sleeps"
+        module = "sleeper"
+        limit = 100
+        """)
+    env = dict(subprocess_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    gate = tmp_path / "gate.toml"
+    gate.write_text('[[workload]]\nname = "ok"\ncode = "print(\'1 passed\')"\n')
+    runner = subprocess.Popen([sys.executable, "-m", "recipes.bench.suite", str(tmp_path / "out"),
+                               str(slow), "--ngpu", "1", "--correctness", str(gate)], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (pids.exists() and len(pids.read_text().split()) == 2):
+        assert time.monotonic() < deadline and runner.poll() is None, runner.communicate()[0]
+        time.sleep(0.2)
+    runner.send_signal(signal.SIGTERM)
+    out = runner.communicate(timeout=60)[0]
+    assert runner.returncode == 143, out
+    assert "stopped by signal 15" in out
+    assert not any(_alive(int(pid)) for pid in pids.read_text().split())
 
 
 def test_a_launch_whose_limit_exceeds_the_time_left_is_skipped_not_started(tmp_path):

@@ -90,12 +90,16 @@ def test_shipped_rates_files_say_where_their_figures_come_from():
 
 def test_model_against_recorded_runs():
     """A guard on the check reported in docs/RESULTS.md §1: the recorded SlideDP and reference
-    rows of one lease per machine within 10% (rates from those machines' logs)."""
-    for rows, rates in (("2026-12-01-h200/h200_call3", "h200"),
-                        ("2026-11-30-h200x2/h200x2_call9", "h200x2"),
-                        ("2026-11-30-h200x2/h200x2_call10", "h200x2"),
-                        ("2026-11-30-h200x2/h200x2_call11", "h200x2")):
-        lines, errors, superseded = check([f"{REPO}/docs/results/{rows}_runs.jsonl"], load_rates(rates))
+    rows of one lease per machine within 10% (rates from those machines' logs), and the one-H100
+    rows of sessions 41-43 with the h100 rates' launch times (at 2 sequences the host's launches
+    outlast the kernels: without them the model was 14-22% fast there)."""
+    h100 = [f"2026-12-07-h100-session41/call{n}/s/" for n in (1, 2, 3)] + [
+        f"2026-12-07-h100-session42/call{n}/s/" for n in (1, 2, 3)] + [
+        f"2026-12-08-h100-session43/call{n}/s/" for n in (1, 4)]
+    for rows, rates in (("2026-12-01-h200/h200_call3_", "h200"),
+                        *((f"2026-11-30-h200x2/h200x2_call{n}_", "h200x2") for n in (9, 10, 11)),
+                        *((calls, "h100") for calls in h100)):
+        lines, errors, superseded = check([f"{REPO}/docs/results/{rows}runs.jsonl"], load_rates(rates))
         assert errors and not superseded and max(abs(e) for e in errors) < 0.10, "\n".join(lines)
 
 
@@ -194,11 +198,11 @@ def test_the_plan_says_where_the_rates_hold_no_launch_times():
 
     from slidedp.plan.report import issue_note
 
-    h100 = load_rates("h100")
-    assert not h100.issue_s and "no launch times for the liger kernels" in issue_note(h100, "liger")[0]
-    timed = replace(h100, issue_s={"liger/keep/forward": 1e-3})
-    assert issue_note(timed, "liger") == [] and issue_note(timed, "torch") != []
-    cpu = replace(h100, machine=replace(h100.machine, device="cpu"))
+    h200 = load_rates("h200")
+    assert not h200.issue_s and "no launch times for the liger kernels" in issue_note(h200, "liger")[0]
+    h100 = load_rates("h100")  # an H100 host's, measured for the liger kernels only
+    assert issue_note(h100, "liger") == [] and "the torch kernels" in issue_note(h100, "torch")[0]
+    cpu = replace(h200, machine=replace(h200.machine, device="cpu"))
     assert issue_note(cpu, "torch") == []
 
 

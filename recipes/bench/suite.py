@@ -17,8 +17,9 @@ the caller's environment sets one, run_train.sh's PYTORCH_CUDA_ALLOC_CONF=expand
 (the allocator training runs with, which the planner's fit assumes). The exit
 status is 1 if a launch failed or was killed (the suite goes on past it), 2 before anything
 runs for a suite that cannot run as written, an OUT_DIR that holds an earlier invocation's
-results, or a module the launches import that this Python lacks. --dry-run prints every
-command instead.
+results, or a module the launches import that this Python lacks; 143 if the runner itself is
+sent SIGTERM (an outer timeout), after it has killed the running launch as at its limit, so that
+no launch outlives it. --dry-run prints every command instead.
 
 A suite file:
 
@@ -72,6 +73,7 @@ does not start beside a dying one.
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -126,6 +128,12 @@ def used_out_dir(out: Path) -> list[str]:
     return [n for n in ("runs.jsonl", "correctness.log", "logs") if (out / n).exists()]
 
 
+def _stopped(signum, frame):
+    """SIGTERM as an exception, so that the running launch is killed on the way out."""
+    print(f"[suite] stopped by signal {signum}", flush=True)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -162,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runner = Runner(out, ngpu, shlex.split(a.extra), a.dry_run)
+    signal.signal(signal.SIGTERM, _stopped)
     if not a.dry_run:  # refused before the minutes of the correctness stage
         if used := used_out_dir(out):
             print(f"error: {out} holds an earlier invocation's {', '.join(used)}; give a new "

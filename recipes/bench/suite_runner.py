@@ -131,6 +131,9 @@ class Runner:
                 rc = proc.wait(timeout=cut)
             except subprocess.TimeoutExpired:
                 rc = kill_launch(proc)
+            except BaseException:  # the runner itself is stopped (an outer timeout, Ctrl-C): its
+                kill_launch(proc)  # launch, in a session of its own, would outlive it and go on
+                raise              # writing rows into the next invocation's OUT_DIR
         took = time.monotonic() - start
         note = f" (killed at its {cut:.0f} s limit)" if rc in (124, 137) else ""
         print(f"[suite] {what}: rc {rc} in {took:.1f} s{note}; {log.relative_to(self.out)}",

@@ -87,11 +87,15 @@ PLANNED: dict[tuple[str, int], Planned] = {
     ("h100", 8): Planned("selective", f"0-14:{_OPS}", 2, 128, 9),
     ("h100", 16): Planned(f"{_SEG}@offload=0.5", "35:selective@offload=1.0", 2, 128, 0),
     ("h200", 8): Planned(f"{_OPS}@offload=1.0", "", 2, 128, 18),
+    ("h100-launches", 2): Planned(
+        f"{_SEG}@offload=0.5", "21:segments(qkv+qk_norm_rope+attention_core)@offload=0.5,"
+        f"22-35:{_OPS}@offload=1.0", 2, 8, 36),
 }
 """Qwen3-4B's settings that `python -m recipes.plan train_configs/h200_qwen3_4b_slidedp.toml
 --rates RATES --training.local_batch_size BATCH --search` chooses from the model alone, by
 (rates, batch): on an 80 GB card (h100) at 2-16 sequences and on 141 GB (h200) at 8, where the
-all-resident `keep` does not fit."""
+all-resident `keep` does not fit. `h100-launches`: the h100 rates once they held the host's
+launch times, which change the choice at 2 sequences only."""
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in [

@@ -6,16 +6,18 @@
 # a start of one call runs 3 on an H100, and the suite's deadline leaves out what does not fit.
 # PLAN=small (the default; three calls take about 1,200 s, or two with LAUNCHES=2 in the first):
 #   H200: issue 25 item 5 at 1-4 sequences against ZeRO-2 Offload (h200_small.toml);
-#   H100: SlideDP's measured best at 4 beside the step-time model's setting, 3 launches a side
-#   under one allocator (sessions 41 and 42 ran the rest of 2-16: docs/results/2026-12-07-h100-
-#   session41/ and -session42/); LAUNCHES=3 in one call.
+#   H100: the model's 2-sequence choice before and after the h100 rates held the host's launch
+#   times, 3 launches a side (docs/results/2026-12-08-h100-session43/h100_launches_2.toml);
+#   LAUNCHES=3 in one call (about 420 s).
 # PLAN=full (three calls take about 1,650 s):
 #   H200: the head-to-head over 1-16 against ZeRO-2 Offload;
 #   H100: the measured best against the model's settings over 2-16.
-# PLAN=zero3 (H100, about 1,600 s): the withdrawn ZeRO-3 Offload ratio, SlideDP's best per batch first
-#   (the model's settings at 2-16 since session 42).
+# PLAN=zero3 (H100, about 900 s in two calls: LAUNCHES=2, then 1): ZeRO-3 Offload's peak (full
+#   checkpointing at 16 sequences) against the model's setting at 16, 3 launches a side (session
+#   43 ran the 1-16 sweep twice a side; three do not fit one session's device time).
 # PLAN=probe (either card, about 300 s): the probe's rates of this host for Qwen3-4B at 2 sequences,
-#   with the host's launch (issue) times, which no shipped rates file has; it measures no figure.
+#   with the host's launch (issue) times (the h100 rates hold an H100 host's since session 43, the
+#   h200 rates none); it measures no figure.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -33,12 +35,12 @@ case "$gpu $plan" in
                options="(all-resident and not bf16) or $resident" ;;
   *H200*full) suites="deepspeed_install head_to_head slidedp_best"
               options="(all-resident and not bf16) or keep or selective or ops or offload" ;;
-  *small) suites="docs/results/2026-12-07-h100-session42/h100_planned_4.toml"
-          options="selective or offload or segments or ops or $resident" ;;
+  *small) suites="docs/results/2026-12-08-h100-session43/h100_launches_2.toml"
+          options="offload or segments or ops or $resident" ;;
   *full) suites="docs/results/2026-12-07-session39/h100_slidedp_planned.toml"
          options="keep or selective or offload or segments or ops" ;;
-  *zero3) suites="deepspeed_install docs/results/2026-12-07-h100-session42/h100_slidedp_best.toml docs/results/2026-12-07-session39/h100_zero3_offload.toml"
-          options="(all-resident and not bf16) or selective or offload or segments or ops or $resident" ;;
+  *zero3) suites="deepspeed_install docs/results/2026-12-08-h100-session43/h100_zero3_peak.toml"
+          options="selective or offload or segments or $resident" ;;
   *) echo "no plan $plan for $gpu" >&2; exit 2 ;;
 esac
 # DeepSpeed does not survive between calls: a plan with a DeepSpeed peer installs it in every one.
