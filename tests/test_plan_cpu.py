@@ -119,6 +119,36 @@ def test_the_probe_times_in_the_runs_dtype_and_caches_it_apart(rates_dir, monkey
     assert cached == {f"{bf16.model}.json": "bf16", f"{fp32.model}.json": "fp32"}
 
 
+def test_the_probe_times_blocks_at_its_floor_and_again_where_a_cache_holds_fewer(rates_dir,
+                                                                                  monkeypatch):
+    """At fewer sequences than ProbeSizes.block_min_batch a block's kernels wait on the host's
+    launches: the probe times at the floor where it fits, even for a run of one sequence, and a
+    timing cached at fewer (an older probe's) is timed again and the cache rewritten; a cache at
+    the floor is used as it is."""
+    timed = []
+    time_block = probe_module._time_block
+
+    def spy(policy, block, *args, batch, **kwargs):
+        timed.append(batch)
+        return time_block(policy, block, *args, batch=batch, **kwargs)
+
+    monkeypatch.setattr(probe_module, "_time_block", spy)
+    job = load_job(["--model.flavor=qwen3-debug", "--training.seq_len=32",
+                    "--training.local_batch_size=1", "--slidedp.autopolicy_candidates=keep"])
+    kw = dict(flavor=job.flavor, kernels=resolve_kernels("torch", device_type="cpu"),
+              policies=policies_of(job.config, job.args), seq=32, batch=1, loss_chunk=64,
+              device=torch.device("cpu"), log=lambda _: None)
+    one = probe(job.args, sizes=replace(TINY, block_min_batch=1), **kw)
+    assert set(timed) == {1} and {t.batch for t in one.blocks.values()} == {1}
+    timed.clear()
+    two = probe(job.args, sizes=replace(TINY, block_min_batch=2), **kw)
+    assert set(timed) == {2} and {t.batch for t in two.blocks.values()} == {2}
+    assert set(two.blocks) == set(one.blocks)
+    timed.clear()
+    again = probe(job.args, sizes=replace(TINY, block_min_batch=2), **kw)
+    assert timed == [] and again.blocks == two.blocks
+
+
 def test_the_compute_bound_is_at_most_a_measured_step(rates_dir, tmp_path, capsys, monkeypatch):
     """debug_cpu's compute alone, probed here in its FP32, against its steps trained here (the
     median after the first few), both on one thread. The step adds the optimizer and the data;

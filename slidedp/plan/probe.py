@@ -2,8 +2,9 @@
 
 Machine rates, once per machine: slidedp/plan/probe_machine.py. Model rates, once per model and
 sequence length: on rank 0, one block of the model on the device (its kernels, the run's compute
-dtype, random weights) timed forward and backward under each policy at the run's micro-batch
-(fewer sequences if it would not fit, then divided per sequence), the head with the loss and the
+dtype, random weights) timed forward and backward under each policy at the run's micro-batch or
+ProbeSizes.block_min_batch if more (fewer sequences if that would not fit; a timing cached below
+that floor is timed again), then divided per sequence, the head with the loss and the
 embedding, and the host seconds to issue each of these (their kernels launched, before they run);
 each policy's activation bytes (slidedp/activations/cost.py, SlideDP's BF16 blocks);
 and the effective TFLOP/s of the FLOP model fitted to the kept block. On the CPU the device is
@@ -176,15 +177,20 @@ def probe_model(rates: Rates, args: ModelArgs, *, flavor: str, kernels: Kernels,
             measured = measure_costs(new_costs, args, kernels, device=device, seq_len=seq)
         costs.update({timing_key(p.name, seq): c for p, c in measured.items()})
     bases = list(dict.fromkeys(p.base for p in policies))
-    missing = [b for b in bases if timing_key(b, seq) not in blocks]
     keep_key = timing_key("keep", seq)
-    if missing or timing_key("head", seq) not in blocks:
-        keep_cost = costs.get(keep_key) or measure_costs(
-            [KEEP], args, kernels, device=device, seq_len=seq)[KEEP]
-        costs.setdefault(keep_key, keep_cost)
-        dtype = DTYPES[compute_dtype]
-        # The costs are of BF16 blocks: FP32 keeps twice their bytes.
-        b = _probe_batch(keep_cost.gpu.at(1, seq) * dtype.itemsize / 2, batch, device, sizes)
+    keep_cost = costs.get(keep_key) or measure_costs(
+        [KEEP], args, kernels, device=device, seq_len=seq)[KEEP]
+    costs.setdefault(keep_key, keep_cost)
+    dtype = DTYPES[compute_dtype]
+    # The costs are of BF16 blocks: FP32 keeps twice their bytes.
+    b = _probe_batch(keep_cost.gpu.at(1, seq) * dtype.itemsize / 2,
+                     max(batch, sizes.block_min_batch), device, sizes)
+    # A timing cached at fewer sequences than the floor, where more fit now, is timed again.
+    floor = min(sizes.block_min_batch, b)
+    timed = {k for k, t in blocks.items() if t.batch >= floor}
+    missing = [base for base in bases if timing_key(base, seq) not in timed]
+    head_missing = timing_key("head", seq) not in timed
+    if missing or head_missing:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             block = _block(args, kernels, device, dtype)
             # A first use of each kind of op (checkpointing, SDPA, kernel selection) costs far
@@ -198,7 +204,7 @@ def probe_model(rates: Rates, args: ModelArgs, *, flavor: str, kernels: Kernels,
                     repeats=sizes.repeats)
                 issued.update(times)
             del block
-            if timing_key("head", seq) not in blocks:
+            if head_missing:
                 timings, times = _time_head_and_embed(args, kernels, batch=b, seq=seq,
                                                       loss_chunk=loss_chunk, device=device,
                                                       dtype=dtype, repeats=sizes.repeats)
@@ -245,11 +251,11 @@ def probe(args: ModelArgs, *, flavor: str, kernels: Kernels, policies: Iterable[
     rates = None
     if rank == 0:
         rates = load_rates(str(path)) if path.is_file() and not refresh else machine_rates.with_model(key, {}, {})
-        before = (len(rates.blocks), len(rates.costs))
+        before = (rates.blocks, rates.costs, rates.issue_s)
         rates = probe_model(rates, args, flavor=flavor, kernels=kernels, policies=policies, seq=seq,
                             batch=batch, loss_chunk=loss_chunk, device=device,
                             compute_dtype=compute_dtype, sizes=sizes, log=say)
-        if (len(rates.blocks), len(rates.costs)) != before or not path.is_file():
+        if (rates.blocks, rates.costs, rates.issue_s) != before or not path.is_file():
             rates.save(path)
             say(f"[probe] rates cached in {path}")
     barrier(group)

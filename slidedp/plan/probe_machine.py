@@ -34,12 +34,17 @@ class ProbeSizes:
     """Timed repetitions (the median is kept) after one warm-up."""
     block_memory_fraction: float = 0.3
     """Share of the free device memory a timed block's activations may take."""
+    block_min_batch: int = 8
+    """Sequences a block and the head are timed at, at least, where they fit: at fewer, the GPU
+    waits on the host's launches, and a per-sequence time taken there would count those waits
+    again at every batch (the launches are counted apart: Rates.issue_s)."""
 
     @classmethod
     def for_device(cls, device: torch.device) -> "ProbeSizes":
         """The defaults on a GPU; small buffers on the CPU, whose rates serve tests and CPU runs
-        (the CPU's own memory copies are no PCIe to characterize)."""
-        return cls() if device.type == "cuda" else cls(copy_mib=16, host_elems=4_000_000)
+        (the CPU's own memory copies are no PCIe to characterize, and it launches nothing)."""
+        return cls() if device.type == "cuda" else cls(copy_mib=16, host_elems=4_000_000,
+                                                       block_min_batch=1)
 
 
 def sync(device: torch.device) -> None:

@@ -15,9 +15,10 @@
 # PLAN=zero3 (H100, about 900 s in two calls: LAUNCHES=2, then 1): ZeRO-3 Offload's peak (full
 #   checkpointing at 16 sequences) against the model's setting at 16, 3 launches a side (session
 #   43 ran the 1-16 sweep twice a side; three do not fit one session's device time).
-# PLAN=probe (either card, about 300 s): the probe's rates of this host for Qwen3-4B at 2 sequences,
-#   with the host's launch (issue) times (the h100 rates hold an H100 host's since session 43, the
-#   h200 rates none); it measures no figure.
+# PLAN=probe (either card, about 300 s): the probe's rates of this host for Qwen3-4B, blocks timed
+#   at 8 sequences since session 43, with the host's launch (issue) times (the h100 rates hold an
+#   H100 host's since session 43, the h200 rates none); it measures no figure. Then
+#   `model_check check --rates OUT/rates_4b.json` on sessions 41-43's H100 rows.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
