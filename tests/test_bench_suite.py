@@ -2,7 +2,8 @@
 on the debug model writes its rows and the headline table, the peer-peak step relaunches the
 sweep's fastest point, a failing correctness stage measures nothing, a launch past its limit is
 killed (every descendant too) and the suite goes on, a runner stopped by SIGTERM kills its
-launch first, and every shipped suite file parses and prints its commands."""
+launch first, the reproduce scripts' launches end the same way, and every shipped suite file
+parses and prints its commands."""
 
 import importlib.util
 import json
@@ -19,6 +20,7 @@ import pytest
 
 from recipes.bench import suite
 from recipes.bench.config import BenchConfig, check, mode
+from recipes.bench.kill import run_captured, running
 from recipes.bench.suite_file import SUITES, SuiteError, load_suite, parse_sets, shipped_suites
 from recipes.bench.suite_runner import BENCH, launch_env
 from recipes.config import ConfigError, parse_config
@@ -95,23 +97,34 @@ def test_a_failing_correctness_stage_measures_nothing(tmp_path):
     assert "=== fsdp2_peak_4b" not in proc.stdout
 
 
+def _worker(pids: Path) -> str:
+    """A launch's code, as torchrun's workers run: a child in a session of its own, both pids
+    written to `pids` once started, then a sleep past any limit."""
+    return textwrap.dedent(f"""
+        import os, subprocess, time
+        c = subprocess.Popen(["sleep", "120"], start_new_session=True)
+        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{c.pid}}")
+        print("worker started", flush=True)
+        time.sleep(120)
+        """)
+
+
+def _sleeper_suite(tmp_path: Path, *, limit: int, more: str = "") -> tuple[Path, Path, dict]:
+    """A suite whose first launch runs _worker under `limit`, then the workloads `more`: the
+    worker's pids file, the suite file, and the environment that finds the worker's module."""
+    pids = tmp_path / "pids"
+    (tmp_path / "sleeper.py").write_text(_worker(pids))
+    head = f'[[workload]]\nname = "sleeps"\nmodule = "sleeper"\nlimit = {limit}\n'
+    suite = _suite(tmp_path / "slow.toml", head + textwrap.dedent(more))
+    return pids, suite, dict(subprocess_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+
+
 def test_a_launch_past_its_limit_is_killed_with_its_descendants_and_the_suite_goes_on(tmp_path):
     """The first launch starts a child in a session of its own (as torchrun starts its
     workers), then sleeps past its 1 s limit: both are killed, the runner settles and runs the
     next workloads, and exits 1 for the killed launch. A `largest` workload stops at the first
     batch that runs; the one that failed before it is no failure."""
-    child = tmp_path / "child.pid"
-    (tmp_path / "sleeper.py").write_text(textwrap.dedent(f"""
-        import subprocess, time
-        c = subprocess.Popen(["sleep", "120"], start_new_session=True)
-        open({str(child)!r}, "w").write(str(c.pid))
-        time.sleep(120)
-        """))
-    slow = _suite(tmp_path / "slow.toml", """
-        [[workload]]
-        name = "sleeps"
-        module = "sleeper"
-        limit = 1
+    pids, slow, env = _sleeper_suite(tmp_path, limit=1, more="""
         [[workload]]
         name = "after"
         code = "print('ran after the kill')"
@@ -121,12 +134,11 @@ def test_a_launch_past_its_limit_is_killed_with_its_descendants_and_the_suite_go
         code = "import sys; sys.exit(sys.argv[-1] == '32')"
         largest = [32, 28, 24]
         """)
-    env = dict(subprocess_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
     proc = _runner(tmp_path, str(slow), env=env, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "[suite] slow/sleeps: rc 124" in proc.stdout and "killed at its 1 s limit" in proc.stdout
     assert "settled after" in proc.stdout and "ran after the kill" in proc.stdout
-    assert not _alive(int(child.read_text()))
+    assert not any(running(int(pid)) for pid in pids.read_text().split())
     assert "fits batch 32: rc 1" in proc.stdout and "fits batch 28: rc 0" in proc.stdout
     assert "batch 24" not in proc.stdout
     assert "4 launches, 1 failed" in proc.stdout
@@ -136,20 +148,7 @@ def test_a_runner_stopped_by_sigterm_kills_its_launch_first(tmp_path):
     """An outer timeout sends SIGTERM to the runner while a launch (in a session of its own, with
     a child in another) runs: the runner kills both before it exits 143, so no launch goes on
     writing rows into the next invocation's OUT_DIR."""
-    pids = tmp_path / "pids"
-    (tmp_path / "sleeper.py").write_text(textwrap.dedent(f"""
-        import os, subprocess, time
-        c = subprocess.Popen(["sleep", "120"], start_new_session=True)
-        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{c.pid}}")
-        time.sleep(120)
-        """))
-    slow = _suite(tmp_path / "slow.toml", """
-        [[workload]]
-        name = "sleeps"
-        module = "sleeper"
-        limit = 100
-        """)
-    env = dict(subprocess_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    pids, slow, env = _sleeper_suite(tmp_path, limit=100)
     gate = tmp_path / "gate.toml"
     gate.write_text('[[workload]]\nname = "ok"\ncode = "print(\'1 passed\')"\n')
     runner = subprocess.Popen([sys.executable, "-m", "recipes.bench.suite", str(tmp_path / "out"),
@@ -162,8 +161,18 @@ def test_a_runner_stopped_by_sigterm_kills_its_launch_first(tmp_path):
     runner.send_signal(signal.SIGTERM)
     out = runner.communicate(timeout=60)[0]
     assert runner.returncode == 143, out
-    assert "stopped by signal 15" in out
-    assert not any(_alive(int(pid)) for pid in pids.read_text().split())
+    assert "[launch] stopped by signal 15" in out
+    assert not any(running(int(pid)) for pid in pids.read_text().split())
+
+
+def test_a_captured_launch_past_its_limit_ends_with_its_tree_and_keeps_its_output(tmp_path):
+    """The reproduce scripts' launches (recipes/bench/kill.py run_captured): torchrun starts its
+    workers in sessions of their own, which killing torchrun alone would leave on the GPU."""
+    pids = tmp_path / "pids"
+    rc, output = run_captured([sys.executable, "-c", _worker(pids)], limit=3)
+    assert rc == 124 and "worker started" in output
+    assert not any(running(int(pid)) for pid in pids.read_text().split())
+    assert run_captured([sys.executable, "-c", "print('done')"], limit=30) == (0, "done\n")
 
 
 def test_a_launch_whose_limit_exceeds_the_time_left_is_skipped_not_started(tmp_path):
@@ -188,14 +197,6 @@ def test_a_launch_whose_limit_exceeds_the_time_left_is_skipped_not_started(tmp_p
     assert "out of time, skipped: tight/long" in proc.stdout and "its limit 30 s" in proc.stdout
     assert "the long launch ran" not in proc.stdout and "the short launch ran" in proc.stdout
     assert "1 launches, 0 failed, 1 skipped" in proc.stdout
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, killed and not yet reaped by its new parent, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 SHIPPED = sorted(p.stem for p in SUITES.glob("*.toml"))

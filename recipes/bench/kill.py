@@ -1,13 +1,16 @@
-"""Ending a benchmark launch that ran past its time limit, as timeout(1) would but for its whole
-process tree, and then waiting for the machine to settle, so that the next launch does not start
-beside a dying one still holding a GPU or freeing host memory."""
+"""Running a benchmark launch to a time limit and ending it there, as timeout(1) would but for its
+whole process tree (and when the caller itself is stopped), then waiting for the machine to
+settle, so that the next launch does not start beside a dying one still holding a GPU or freeing
+host memory."""
 
 import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 KILL_GRACE_S = 15
 """After SIGTERM, how long a killed launch gets to exit before SIGKILL."""
@@ -43,11 +46,59 @@ def kill_launch(proc: subprocess.Popen) -> int:
         rc = 124
     except subprocess.TimeoutExpired:
         rc = 137
-    for pid in [*tree, *descendants(proc.pid)]:
+    tree += descendants(proc.pid)
+    for pid in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
+    # SIGKILL is delivered asynchronously: the next launch starts once the tree is gone.
+    deadline = time.monotonic() + KILL_GRACE_S
+    while any(running(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return rc
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped by its new parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (an outer timeout's) as an exit that unwinds, so that run_launch ends the
+    running launch's tree first; by default Python dies at once and leaves it running."""
+    def stopped(signum, frame):
+        print(f"[launch] stopped by signal {signum}", flush=True)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
+
+
+def run_launch(cmd: list[str], *, limit: float | None, out: IO[str], **popen) -> int:
+    """`cmd`'s exit status, its output (both streams) written to `out`, in a session of its own
+    so that the whole tree can be ended: at `limit` (124 or 137, kill_launch), or when the caller
+    is stopped (SIGTERM as an exception, Ctrl-C), which then goes on up; a launch left running
+    would share the GPU with the next one and write into its rows."""
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            **popen)
+    try:
+        return proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        return kill_launch(proc)
+    except BaseException:
+        kill_launch(proc)
+        raise
+
+
+def run_captured(cmd: list[str], *, limit: float | None, **popen) -> tuple[int, str]:
+    """run_launch with its output kept in a temporary file (no pipe to fill and stall it) and
+    returned."""
+    with tempfile.TemporaryFile("w+") as out:
+        rc = run_launch(cmd, limit=limit, out=out, **popen)
+        out.seek(0)
+        return rc, out.read()
 
 
 def _mem_available_kib() -> int:

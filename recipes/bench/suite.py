@@ -73,12 +73,12 @@ does not start beside a dying one.
 import argparse
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from recipes.bench.kill import stop_on_sigterm
 from recipes.bench.suite_file import Suite, SuiteError, load_suite, parse_sets, shipped_suites
 from recipes.bench.suite_runner import REPO, Runner
 
@@ -128,12 +128,6 @@ def used_out_dir(out: Path) -> list[str]:
     return [n for n in ("runs.jsonl", "correctness.log", "logs") if (out / n).exists()]
 
 
-def _stopped(signum, frame):
-    """SIGTERM as an exception, so that the running launch is killed on the way out."""
-    print(f"[suite] stopped by signal {signum}", flush=True)
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runner = Runner(out, ngpu, shlex.split(a.extra), a.dry_run)
-    signal.signal(signal.SIGTERM, _stopped)
+    stop_on_sigterm()
     if not a.dry_run:  # refused before the minutes of the correctness stage
         if used := used_out_dir(out):
             print(f"error: {out} holds an earlier invocation's {', '.join(used)}; give a new "

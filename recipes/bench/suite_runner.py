@@ -8,14 +8,13 @@ import glob
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-from recipes.bench.kill import kill_launch, settle
+from recipes.bench.kill import run_launch, settle
 from recipes.bench.suite_file import Suite, flag_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,15 +124,7 @@ class Runner:
         with open(log, "a") as f:
             f.write(f"$ {line}\n")
             f.flush()
-            proc = subprocess.Popen(cmd, cwd=REPO, env={**self.env, **env}, stdout=f,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=cut)
-            except subprocess.TimeoutExpired:
-                rc = kill_launch(proc)
-            except BaseException:  # the runner itself is stopped (an outer timeout, Ctrl-C): its
-                kill_launch(proc)  # launch, in a session of its own, would outlive it and go on
-                raise              # writing rows into the next invocation's OUT_DIR
+            rc = run_launch(cmd, limit=cut, out=f, cwd=REPO, env={**self.env, **env})
         took = time.monotonic() - start
         note = f" (killed at its {cut:.0f} s limit)" if rc in (124, 137) else ""
         print(f"[suite] {what}: rc {rc} in {took:.1f} s{note}; {log.relative_to(self.out)}",

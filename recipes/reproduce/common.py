@@ -19,7 +19,6 @@ import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recipes.bench.kill import run_captured, stop_on_sigterm
 from recipes.bench.rows import read_rows
 from recipes.bench.suite_runner import launch_env
 
@@ -180,6 +180,7 @@ def start(args: argparse.Namespace, experiment: str, *, gpu: dict[str, Any],
     if missing:
         raise SystemExit(f"error: --rows: no file {missing[0]}")
     require_matplotlib()
+    stop_on_sigterm()
     return Runner(args, experiment=experiment)
 
 
@@ -259,13 +260,10 @@ class Runner:
         self.launches += 1
         print(f"[{self.experiment}] {label or ''} x{nproc}: {shlex.join(flags)}", flush=True)
         start = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True,
-                                  text=True, timeout=a.timeout)
-            failed = proc.returncode != 0
-            tail = (proc.stdout + proc.stderr)[-2000:]
-        except subprocess.TimeoutExpired as e:
-            failed, tail = True, f"timed out after {a.timeout:.0f} s\n{(e.stdout or b'')[-1000:]!r}"
+        rc, output = run_captured(cmd, limit=a.timeout, cwd=REPO, env=env)
+        failed = rc != 0
+        tail = (f"timed out after {a.timeout:.0f} s\n{output[-1000:]}" if rc in (124, 137)
+                else output[-2000:])
         rows = self._rows_written()[len(before):]
         print(f"[{self.experiment}]   {len(rows)} point(s) in {time.perf_counter() - start:.0f} s"
               + (" - FAILED (points after the last one above are missing):\n" + tail

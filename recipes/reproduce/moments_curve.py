@@ -35,7 +35,6 @@ import json
 import math
 import re
 import statistics
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -44,6 +43,7 @@ from collections import Counter
 from pathlib import Path
 from typing import get_args
 
+from recipes.bench.kill import run_captured
 from recipes.bench.suite_runner import launch_env
 from recipes.bpe import train_bpe
 from slidedp.config import MomentsDtype
@@ -149,12 +149,10 @@ def train(runner: Runner, data: Path, run: str, label: str,
     runner.launches += 1
     print(f"[{runner.experiment}] {label}: {a.steps} steps with {dtype} moments", flush=True)
     began = time.perf_counter()
-    try:
-        proc = subprocess.run([*cmd, *flags], cwd=REPO, env=launch_env(nproc),
-                              capture_output=True, text=True, timeout=a.timeout)
-        output, failed = proc.stdout + proc.stderr, proc.returncode != 0
-    except subprocess.TimeoutExpired as e:
-        output, failed = f"timed out after {a.timeout:.0f} s", True
+    rc, output = run_captured([*cmd, *flags], limit=a.timeout, cwd=REPO, env=launch_env(nproc))
+    failed = rc != 0
+    if rc in (124, 137):
+        output += f"\ntimed out after {a.timeout:.0f} s"
     dump.mkdir(parents=True, exist_ok=True)  # a run refused at start made none
     (dump / "train.log").write_text(output)
     metrics = dump / "metrics.jsonl"
