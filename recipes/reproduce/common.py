@@ -95,7 +95,8 @@ PLANNED: dict[tuple[str, int], Planned] = {
 --rates RATES --training.local_batch_size BATCH --search` chooses from the model alone, by
 (rates, batch): on an 80 GB card (h100) at 2-16 sequences and on 141 GB (h200) at 8, where the
 all-resident `keep` does not fit. `h100-launches`: the h100 rates once they held the host's
-launch times, which change the choice at 2 sequences only."""
+launch times, which change the choice at 2 sequences (at 8, one block's policy at the same
+predicted time)."""
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in [
