@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -66,30 +68,41 @@ def running(pid: int) -> bool:
         return False
 
 
-def stop_on_sigterm() -> None:
-    """SIGTERM (an outer timeout's) as an exit that unwinds, so that run_launch ends the
-    running launch's tree first; by default Python dies at once and leaves it running."""
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (an outer timeout's) as an exit that unwinds, while a launch runs, so that its
+    tree is ended first: by default Python dies at once and leaves it running. Only the main
+    thread can take signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
     def stopped(signum, frame):
         print(f"[launch] stopped by signal {signum}", flush=True)
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stopped)
+    before = signal.signal(signal.SIGTERM, stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def run_launch(cmd: list[str], *, limit: float | None, out: IO[str], **popen) -> int:
     """`cmd`'s exit status, its output (both streams) written to `out`, in a session of its own
     so that the whole tree can be ended: at `limit` (124 or 137, kill_launch), or when the caller
-    is stopped (SIGTERM as an exception, Ctrl-C), which then goes on up; a launch left running
-    would share the GPU with the next one and write into its rows."""
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                            **popen)
-    try:
-        return proc.wait(timeout=limit)
-    except subprocess.TimeoutExpired:
-        return kill_launch(proc)
-    except BaseException:
-        kill_launch(proc)
-        raise
+    is stopped (SIGTERM, Ctrl-C), which then goes on up (SIGTERM as exit status 143); a launch
+    left running would share the GPU with the next one and write into its rows."""
+    with _sigterm_unwinds():
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, **popen)
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            return kill_launch(proc)
+        except BaseException:
+            kill_launch(proc)
+            raise
 
 
 def run_captured(cmd: list[str], *, limit: float | None, **popen) -> tuple[int, str]:

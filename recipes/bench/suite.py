@@ -78,7 +78,6 @@ import sys
 import time
 from pathlib import Path
 
-from recipes.bench.kill import stop_on_sigterm
 from recipes.bench.suite_file import Suite, SuiteError, load_suite, parse_sets, shipped_suites
 from recipes.bench.suite_runner import REPO, Runner
 
@@ -164,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runner = Runner(out, ngpu, shlex.split(a.extra), a.dry_run)
-    stop_on_sigterm()
     if not a.dry_run:  # refused before the minutes of the correctness stage
         if used := used_out_dir(out):
             print(f"error: {out} holds an earlier invocation's {', '.join(used)}; give a new "

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recipes.bench.kill import run_captured, stop_on_sigterm
+from recipes.bench.kill import run_captured
 from recipes.bench.rows import read_rows
 from recipes.bench.suite_runner import launch_env
 
@@ -181,7 +181,6 @@ def start(args: argparse.Namespace, experiment: str, *, gpu: dict[str, Any],
     if missing:
         raise SystemExit(f"error: --rows: no file {missing[0]}")
     require_matplotlib()
-    stop_on_sigterm()
     return Runner(args, experiment=experiment)
 
 
