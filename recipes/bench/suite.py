@@ -17,9 +17,9 @@ the caller's environment sets one, run_train.sh's PYTORCH_CUDA_ALLOC_CONF=expand
 (the allocator training runs with, which the planner's fit assumes). The exit
 status is 1 if a launch failed or was killed (the suite goes on past it), 2 before anything
 runs for a suite that cannot run as written, an OUT_DIR that holds an earlier invocation's
-results, or a module the launches import that this Python lacks; 143 if the runner itself is
-sent SIGTERM (an outer timeout), after it has killed the running launch as at its limit, so that
-no launch outlives it. --dry-run prints every command instead.
+results, or a module the launches import that this Python lacks; 143 if the runner is sent
+SIGTERM (an outer timeout) while a launch runs, after it has ended that launch's whole tree as at
+its limit, so that no launch outlives it. --dry-run prints every command instead.
 
 A suite file:
 
