@@ -16,6 +16,8 @@ from typing import IO
 
 KILL_GRACE_S = 15
 """After SIGTERM, how long a killed launch gets to exit before SIGKILL."""
+KILLED = (124, 137)
+"""The exit statuses kill_launch gives a launch it ended (SIGTERM, SIGKILL), as timeout(1)'s."""
 SETTLE_S, SETTLE_POLL_S, SETTLE_RISE_KIB = 60, 2, 1 << 20
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-from recipes.bench.kill import run_launch, settle
+from recipes.bench.kill import KILLED, run_launch, settle
 from recipes.bench.suite_file import Suite, flag_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,7 +126,7 @@ class Runner:
             f.flush()
             rc = run_launch(cmd, limit=cut, out=f, cwd=REPO, env={**self.env, **env})
         took = time.monotonic() - start
-        note = f" (killed at its {cut:.0f} s limit)" if rc in (124, 137) else ""
+        note = f" (killed at its {cut:.0f} s limit)" if rc in KILLED else ""
         print(f"[suite] {what}: rc {rc} in {took:.1f} s{note}; {log.relative_to(self.out)}",
               flush=True)
         text = log.read_text(errors="replace")
@@ -134,7 +134,7 @@ class Runner:
             print(text, end="" if text.endswith("\n") else "\n", flush=True)
         elif rc != 0:
             print("".join(f"    {t}\n" for t in text.splitlines()[-12:]), end="", flush=True)
-        if rc in (124, 137):
+        if rc in KILLED:
             settle()
         return rc
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recipes.bench.kill import run_captured
+from recipes.bench.kill import KILLED, run_captured
 from recipes.bench.rows import read_rows
 from recipes.bench.suite_runner import launch_env
 
@@ -262,7 +262,7 @@ class Runner:
         start = time.perf_counter()
         rc, output = run_captured(cmd, limit=a.timeout, cwd=REPO, env=env)
         failed = rc != 0
-        tail = (f"timed out after {a.timeout:.0f} s\n{output[-1000:]}" if rc in (124, 137)
+        tail = (f"timed out after {a.timeout:.0f} s\n{output[-1000:]}" if rc in KILLED
                 else output[-2000:])
         rows = self._rows_written()[len(before):]
         print(f"[{self.experiment}]   {len(rows)} point(s) in {time.perf_counter() - start:.0f} s"

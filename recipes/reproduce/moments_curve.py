@@ -43,7 +43,7 @@ from collections import Counter
 from pathlib import Path
 from typing import get_args
 
-from recipes.bench.kill import run_captured
+from recipes.bench.kill import KILLED, run_captured
 from recipes.bench.suite_runner import launch_env
 from recipes.bpe import train_bpe
 from slidedp.config import MomentsDtype
@@ -151,7 +151,7 @@ def train(runner: Runner, data: Path, run: str, label: str,
     began = time.perf_counter()
     rc, output = run_captured([*cmd, *flags], limit=a.timeout, cwd=REPO, env=launch_env(nproc))
     failed = rc != 0
-    if rc in (124, 137):
+    if rc in KILLED:
         output += f"\ntimed out after {a.timeout:.0f} s"
     dump.mkdir(parents=True, exist_ok=True)  # a run refused at start made none
     (dump / "train.log").write_text(output)
