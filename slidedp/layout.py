@@ -10,6 +10,7 @@ run (or per layer) without touching the state.
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -102,6 +103,14 @@ class NodeShards:
         return self.first * size, (self.first + self.count) * size
 
 
+@cache
+def unit_params(args: ModelArgs) -> tuple:
+    """The spec's `units(args)`, once per flavor: it builds the model on the meta device, which
+    takes longer than the step-time model's whole simulation of a step, and the planner lays
+    the same model out for every option it prices."""
+    return tuple((kind, tuple(params)) for kind, params in spec_of(args).units(args))
+
+
 class StateLayout:
     """The flat layout of one model's parameters for `world` owners."""
 
@@ -114,7 +123,7 @@ class StateLayout:
             quantum = math.lcm(quantum, nodes * NODE_ALIGN)
         self.units: list[Unit] = []
         host_offset = 0
-        for index, (kind, params) in enumerate(spec_of(args).units(args)):
+        for index, (kind, params) in enumerate(unit_params(args)):
             slots, off = [], 0
             for name, local, shape in params:
                 slots.append(ParamSlot(name=name, local_name=local, shape=shape, offset=off))
