@@ -71,9 +71,14 @@ def analyse(spec: StepSpec, sim: Simulation, t0: float, t1: float, *, last_step:
     step = t1 - t0
     tasks = sim.tasks
 
+    by_lane: dict[str, list] = {}
+    for t in tasks:
+        if t.end > t.start:
+            for lane in t.lanes:
+                by_lane.setdefault(lane, []).append(t)
+
     def on(lane: str, kinds=None) -> list[tuple[float, float]]:
-        return [(t.start, t.end) for t in tasks
-                if lane in t.lanes and (kinds is None or t.kind in kinds) and t.end > t.start]
+        return [(t.start, t.end) for t in by_lane.get(lane, ()) if kinds is None or t.kind in kinds]
 
     gpu_busy = on("gpu:0") + on("gstream:0", ("gpu update",))  # GPU updates: their own stream
     idle = subtract([(t0, t1)], gpu_busy)
