@@ -189,6 +189,33 @@ def test_the_offline_search_prices_what_the_schedule_exposes_of_an_offload():
     assert simulated(priced) < 0.85 * simulated(alone)
 
 
+def test_the_offline_search_takes_the_option_the_simulation_has_faster_at_the_blocks_chosen():
+    """Qwen3-4B at 4 sequences, updates under backward (no clipping, no guard), every block's
+    matmuls kept and the rest offloaded: the program prices 9 and 18 blocks' optimizer state on
+    the GPU with every block under recompute, whose long backward hides the host's updates, and
+    takes 9 for the GPU memory it frees; with the blocks it keeps, the simulation has the host's
+    updates of 27 blocks exposed and 18 faster, which the search takes."""
+    parsed = parse_config(["--job.config_file=train_configs/h200_qwen3_4b_slidedp.toml",
+                           "--training.max_norm=0", "--training.nonfinite=off"])
+    (flavor, args), config = resolve_model(parsed), run_config(parsed)
+    rates = load_rates("h200")
+    model = Model(config, args, flavor, kernels_for(config, rates), 1, rates)
+    settings = [replace(setting_of(config), gpu_state_blocks=n) for n in (9, 18)]
+    options, choices, rebuild = build_program(
+        model, settings, [parse_policy("ops(matmul+attention)@offload=1.0")])
+    gpu, host = budgets(model)
+    kw = dict(gpu_budget=gpu, host_budget=host, rebuild_bytes=rebuild)
+    alone = solve(options, choices, blocks=args.n_layers, ranks=1, **kw)
+    priced = solve_modelled(model, options, choices, **kw)
+    assert alone.option.settings["gpu_state_blocks"] == 9
+    assert priced.option.settings["gpu_state_blocks"] == 18
+
+    def simulated(found):
+        return model.step_s(Setting(**found.option.settings), assign(found, args.n_layers))
+
+    assert priced.objective == simulated(priced) < 0.95 * simulated(alone)
+
+
 def test_the_screen_keeps_a_candidate_within_its_tolerance_and_drops_a_dominated_one():
     """`selective` keeps more bytes than `recompute`: 1% slower in the probe (its noise) it goes
     on to the calibration, 10% slower it is dropped; `keep`, the fastest, always stays."""

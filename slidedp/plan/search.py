@@ -11,7 +11,8 @@ policies of a run, chosen by the step-time model (Model), with what measuring ad
   build_program, solve (slidedp/plan/ilp.py): the integer program over the settings and the
      candidates under the GPU and host memory budgets;
   solve_modelled: the offline search's solve, each candidate priced by what the simulated
-     schedule exposes of it under the option chosen (live, the calibration measures that).
+     schedule exposes of it under the option chosen (live, the calibration measures that),
+     then every option simulated with the blocks of each solution, the fastest taken.
 
 The live run of it, which measures, is slidedp/plan/live.py; the offline one (`python -m
 recipes.plan CONFIG --search`), from the model alone, is slidedp/plan/report.py's
@@ -26,7 +27,7 @@ from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policie
 from slidedp.gpu_update import check_gpu_updates
 from slidedp.host_state import host_state_bytes
 from slidedp.layout import StateLayout
-from slidedp.plan.ilp import Assignment, Choice, Option, solve
+from slidedp.plan.ilp import TIE_BREAK_S_PER_GIB, Assignment, Choice, Option, feasible, solve
 from slidedp.plan.memory import estimate_device_memory
 from slidedp.plan.policy_file import parse_candidates
 from slidedp.plan.predict import state_plan, step_spec, with_slidedp
@@ -239,31 +240,62 @@ def solve_modelled(model: Model, options: list[Option], choices: list[Choice], *
     """The program solved with each choice's modelled residual (modelled_residuals) under the
     option of the previous solution, until the option repeats (at most REFINE_ROUNDS): the
     residual depends on the option (a host-bound one hides an offload that a GPU-bound one
-    exposes), and the program weighs one option's at a time."""
+    exposes), and the program weighs one option's at a time. Then the simulation has the last
+    word (simulated_best)."""
     limits = dict(blocks=model.args.n_layers, ranks=model.world, gpu_budget=gpu_budget,
                   host_budget=host_budget, rebuild_bytes=rebuild_bytes)
     found = solve(options, choices, **limits)
+    if found is None:
+        return None
     # Pricing changes no choice's bytes: what fitted still fits, so a solution stays one.
+    solutions = [found]
     for _ in range(REFINE_ROUNDS):
-        if found is None:
-            break
         residual = modelled_residuals(model, Setting(**found.option.settings), choices)
         again = solve(options, [replace(c, residual=residual[c.name]) for c in choices], **limits)
         settled = again.option.name == found.option.name
         found = again
+        solutions.append(found)
         if settled:
             break
-    return found
+    return simulated_best(model, options, choices, solutions, **limits)
+
+
+def simulated_best(model: Model, options: list[Option], choices: list[Choice],
+                   solutions: list[Assignment], **limits) -> Assignment:
+    """Of the program's solutions, and of every option that fits with the blocks of each, the
+    one the simulation has fastest (its `objective` the simulated step). The program prices
+    each option with every block under recompute (build_program), whose long backward hides a
+    host update that kept blocks expose: alone, it trades resident optimizer state away for
+    activations where the simulation has the resident state faster."""
+    by_name = {c.name: c for c in choices}
+    scored = {}
+    for counts in {tuple(a.counts.items()): a.counts for a in solutions}.values():
+        policies = block_order(counts)
+        for o in options:
+            if feasible(o, counts, by_name, ranks=limits["ranks"],
+                        gpu_budget=limits["gpu_budget"], host_budget=limits["host_budget"],
+                        rebuild_bytes=limits["rebuild_bytes"]):
+                step = model.step_s(Setting(**o.settings), policies)
+                gpu = o.gpu_bytes + sum(n * by_name[p].gpu_bytes for p, n in counts.items())
+                # Among equal steps the one with less device memory, as the program's tie-break.
+                scored[o.name, tuple(counts.items())] = (
+                    step + TIE_BREAK_S_PER_GIB * gpu / 2**30, Assignment(o, counts, step))
+    return min(scored.values(), key=lambda scored: scored[0])[1]
 
 
 def assign(assignment: Assignment, n_blocks: int) -> list[ActivationPolicy]:
-    """Per-block policies for the program's counts: the ones that keep most first (the way
-    keep_blocks puts kept blocks first; where a block sits does not change the peak)."""
-    policies = [parse_policy(name) for name in assignment.counts]
-    order = sorted(policies, key=lambda p: (p.base != "keep", p.offload, p.name))
-    out = [p for p in order for _ in range(assignment.counts[p.name])]
+    """Per-block policies for the program's counts (block_order)."""
+    out = block_order(assignment.counts)
     assert len(out) == n_blocks
     return out
+
+
+def block_order(counts: dict[str, int]) -> list[ActivationPolicy]:
+    """Per-block policies for counts of blocks per policy name: the ones that keep most first
+    (the way keep_blocks puts kept blocks first; where a block sits does not change the peak)."""
+    policies = [parse_policy(name) for name in counts]
+    order = sorted(policies, key=lambda p: (p.base != "keep", p.offload, p.name))
+    return [p for p in order for _ in range(counts[p.name])]
 
 
 def budgets(model: Model, *, host_available: float | None = None) -> tuple[float, float]:
