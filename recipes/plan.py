@@ -165,7 +165,9 @@ def main(argv: list[str]) -> int:
                                   resident_memory=partial(device_memory, config), nodes=nodes,
                                   link=link)), flush=True)
         if ours.search:
-            print("\n".join(search_offline(job, rates, world=world, out=ours.out)), flush=True)
+            print("\n".join(search_offline(job, rates, world=world, out=ours.out,
+                                            say=partial(print, file=sys.stderr, flush=True))),
+                  flush=True)
     except (PlanError, MissingRate) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

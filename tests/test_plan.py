@@ -285,6 +285,23 @@ def test_search_takes_a_choice_that_fits_over_a_faster_configuration_that_does_n
     assert "gpu_state_blocks = 36" not in (tmp_path / "p.toml").read_text()
 
 
+def test_search_where_nothing_fits_says_what_each_memory_needs_before_pricing_anything(
+        capsys, tmp_path):
+    """Qwen2.5-72B on four H100s with FP32 moments: the host state alone is above the search's
+    host budget. The search says so with the sizes, names the smaller moments, and simulates
+    no step first (it took minutes to find nothing)."""
+    from recipes.plan import main
+
+    assert main(["train_configs/h100x4_qwen2.5_72b.toml", "--search",
+                 f"--out={tmp_path}/p.toml"]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(r"search: no configuration fits the search's budgets before any block's "
+                     r"activations: the least any takes is [\d.]+ GiB of [\d.]+ GiB on the GPU "
+                     r"\(90% of it\) and 948.0 GiB of 921.6 GiB on the host \(90% of it\)", out)
+    assert 'slidedp.moments_dtype = "bfloat16" takes 10' in out
+    assert "[search] pricing" not in err and not (tmp_path / "p.toml").exists()
+
+
 def test_the_planner_and_probe_take_config_flags_in_either_form():
     """`--section.key=value` and `--section.key VALUE [VALUE ...]` (as the trainer and the bench
     take them) both go to the configuration, with the TOML file first; the command's own

@@ -4,6 +4,7 @@ Where the device is the CPU it is called the device, its memory the host's. The 
 that prints it is recipes/plan.py (`python -m recipes.plan CONFIG`)."""
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import get_args
@@ -17,8 +18,8 @@ from slidedp.plan.policy_file import policy_settings, write_policy_file
 from slidedp.plan.predict import RunPlan, compute_dtype, plan_run, policies_of
 from slidedp.plan.rates import MissingRate, Rates
 from slidedp.plan.search import (GPU_BUDGET_FRACTION, HOST_BUDGET_FRACTION, Model, Setting,
-                                  assign, budgets, build_program, candidates_of, resident_levels,
-                                  runs, screen, setting_of, solve_modelled)
+                                  assign, budgets, build_program, candidates_of, fitting,
+                                  resident_levels, runs, screen, setting_of, solve_modelled)
 from slidedp.plan.step_spec import Schedule
 from slidedp.plan.workload import Workload
 from slidedp.routes.build import searched_routes
@@ -226,9 +227,30 @@ def _resident_mode_text(job: Job, rates: Rates, est: MemoryEstimate, *, world: i
             f"mode's step (the step-time model simulates SlideDP; --parallelism.mode=slidedp plans it)"]
 
 
-def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]:
-    """`plan --search`: the model's best configuration for `job`, written to `out`."""
+def no_fit(model: Model, settings: list[Setting], *, gpu_budget: float,
+           host_budget: float) -> list[str]:
+    """Why no setting fits the search's budgets before any block's activations: the least
+    any takes of each memory, against its budget."""
+    sizes = [model.fixed_bytes(s) for s in settings]
+    gpu = min(max(g, floor) for g, _, floor in sizes)
+    host = min(h for _, h, _ in sizes)
+    device = model.rates.machine.device_word
+    lines = [f"search: no configuration fits the search's budgets before any block's "
+             f"activations: the least any takes is {_gib(gpu)} of {_gib(gpu_budget)} on the "
+             f"{device} ({GPU_BUDGET_FRACTION:.0%} of it) and {_gib(host)} of "
+             f"{_gib(host_budget)} on the host ({HOST_BUDGET_FRACTION:.0%} of it)"]
+    if host > host_budget and model.config.slidedp.moments_dtype == "float32":
+        lines.append("  the host state is 14 B/param with FP32 moments: slidedp.moments_dtype = "
+                     "\"bfloat16\" takes 10, \"8bit\" 8")
+    return lines
+
+
+def search_offline(job: Job, rates: Rates, *, world: int, out: str,
+                   say: Callable[[str], None] = lambda line: None) -> list[str]:
+    """`plan --search`: the model's best configuration for `job`, written to `out`; `say`
+    takes a line at each stage (each prices many steps, a large model's simulated in seconds)."""
     config, args = job.config, job.args
+    start = time.perf_counter()
     model = Model(config, args, job.flavor, kernels_for(config, rates), world, rates)
     base = setting_of(config)
     routes = searched_routes() if world > 1 else [(base.delivery, "gpu")]
@@ -237,15 +259,22 @@ def search_offline(job: Job, rates: Rates, *, world: int, out: str) -> list[str]
                     routes, slots, (True, False), resident_levels(config, args.n_layers))
                 if runs(s := Setting(d, r, n, base.chunk_mib, shadow, blocks, embedding),
                         config, args.n_layers, world=world)]
-    candidates = screen(model, [*candidates_of(config), *policies_of(config, args)])
-    options, choices, rebuild = build_program(model, settings, candidates)
     gpu_budget, host_budget = budgets(model)
+    fits = fitting(model, settings, gpu_budget=gpu_budget, host_budget=host_budget)
+    if not fits:
+        return no_fit(model, settings, gpu_budget=gpu_budget, host_budget=host_budget)
+    candidates = screen(model, [*candidates_of(config), *policies_of(config, args)])
+    say(f"[search] pricing {len(fits)} options and {len(candidates)} candidate policies, a "
+        f"simulated step each")
+    options, choices, rebuild = build_program(model, fits, candidates)
+    say(f"[search] the program, re-priced by simulation ({time.perf_counter() - start:.0f} s)")
     found = solve_modelled(model, options, choices, gpu_budget=gpu_budget,
                            host_budget=host_budget, rebuild_bytes=rebuild)
     if found is None:
         return [f"search: no configuration fits the {rates.machine.device_word} and host memory "
                 "budgets"]
     policies = assign(found, args.n_layers)
+    say(f"[search] the chunk ({time.perf_counter() - start:.0f} s)")
     chunks = sorted({8.0, 32.0, 128.0, base.chunk_mib})
     step_s, best = min(((model.step_s(s, policies), s) for s in (
         replace(Setting(**found.option.settings), chunk_mib=c) for c in chunks)),

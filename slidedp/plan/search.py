@@ -12,7 +12,8 @@ policies of a run, chosen by the step-time model (Model), with what measuring ad
      candidates under the GPU and host memory budgets;
   solve_modelled: the offline search's solve, each candidate priced by what the simulated
      schedule exposes of it under the option chosen (live, the calibration measures that),
-     then every option simulated with the blocks of each solution, the fastest taken.
+     then each solution's option under every optimizer placement simulated with its blocks,
+     the fastest taken.
 
 The live run of it, which measures, is slidedp/plan/live.py; the offline one (`python -m
 recipes.plan CONFIG --search`), from the model alone, is slidedp/plan/report.py's
@@ -102,6 +103,10 @@ def resident_levels(config: RunConfig, n_layers: int) -> list[tuple[int, str]]:
         if (blocks, "resident") not in levels:
             levels.append((blocks, "resident"))
     return levels
+
+
+_PLACEMENT = ("gpu_state_blocks", "embedding_update")
+"""The settings of an optimizer placement (resident_levels)."""
 
 
 def runs(setting: Setting, config: RunConfig, n_layers: int, *, world: int) -> bool:
@@ -257,29 +262,33 @@ def solve_modelled(model: Model, options: list[Option], choices: list[Choice], *
         solutions.append(found)
         if settled:
             break
-    return simulated_best(model, options, choices, solutions, **limits)
+    return simulated_best(model, options, choices, solutions, ranks=model.world,
+                          gpu_budget=gpu_budget, host_budget=host_budget,
+                          rebuild_bytes=rebuild_bytes)
 
 
 def simulated_best(model: Model, options: list[Option], choices: list[Choice],
                    solutions: list[Assignment], **limits) -> Assignment:
-    """Of the program's solutions, and of every option that fits with the blocks of each, the
-    one the simulation has fastest (its `objective` the simulated step). The program prices
-    each option with every block under recompute (build_program), whose long backward hides a
-    host update that kept blocks expose: alone, it trades resident optimizer state away for
-    activations where the simulation has the resident state faster."""
+    """Of the program's solutions, each with its option's every optimizer placement that fits
+    (the option's other settings the same), the one the simulation has fastest (its `objective`
+    the simulated step). The program prices each option with every block under recompute
+    (build_program), whose long backward hides host updates that kept blocks expose: alone, it
+    traded resident optimizer state away where the simulation has it faster."""
     by_name = {c.name: c for c in choices}
     scored = {}
-    for counts in {tuple(a.counts.items()): a.counts for a in solutions}.values():
-        policies = block_order(counts)
+    for a in solutions:
+        policies = block_order(a.counts)
         for o in options:
-            if feasible(o, counts, by_name, ranks=limits["ranks"],
-                        gpu_budget=limits["gpu_budget"], host_budget=limits["host_budget"],
-                        rebuild_bytes=limits["rebuild_bytes"]):
+            placed = {**a.option.settings, **{k: o.settings[k] for k in _PLACEMENT}}
+            if o.settings != placed or not feasible(o, a.counts, by_name, **limits):
+                continue
+            key = (o.name, tuple(a.counts.items()))
+            if key not in scored:
                 step = model.step_s(Setting(**o.settings), policies)
-                gpu = o.gpu_bytes + sum(n * by_name[p].gpu_bytes for p, n in counts.items())
+                gpu = o.gpu_bytes + sum(n * by_name[p].gpu_bytes for p, n in a.counts.items())
                 # Among equal steps the one with less device memory, as the program's tie-break.
-                scored[o.name, tuple(counts.items())] = (
-                    step + TIE_BREAK_S_PER_GIB * gpu / 2**30, Assignment(o, counts, step))
+                scored[key] = (step + TIE_BREAK_S_PER_GIB * gpu / 2**30,
+                               Assignment(o, a.counts, step))
     return min(scored.values(), key=lambda scored: scored[0])[1]
 
 
@@ -302,6 +311,19 @@ def budgets(model: Model, *, host_available: float | None = None) -> tuple[float
     gpu = model.rates.machine.device_memory_gib * 2**30 * GPU_BUDGET_FRACTION or float("inf")
     host = (host_available or model.rates.machine.host_memory_gib * 2**30) * HOST_BUDGET_FRACTION
     return gpu, host
+
+
+def fitting(model: Model, settings: list[Setting], *, gpu_budget: float, host_budget: float
+            ) -> list[Setting]:
+    """The settings whose bytes without any block's activations fit the budgets (the program's
+    constraints with no activation): the program can choose no other, so the search prices
+    only these, each a simulated step."""
+    out = []
+    for s in settings:
+        gpu, host, floor = model.fixed_bytes(s)
+        if max(gpu, floor) <= gpu_budget and host <= host_budget:
+            out.append(s)
+    return out
 
 
 def candidates_of(config: RunConfig) -> list[ActivationPolicy]:
