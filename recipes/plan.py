@@ -29,7 +29,7 @@ import torch.distributed as dist
 from models.kernels import resolve_kernels
 from recipes.config import ConfigError, JobConfig, parse_config, resolve_model, run_config
 from recipes.job_config import Plan
-from recipes.preflight import device_memory
+from recipes.preflight import check_seq_len, check_slidedp_options, device_memory
 from slidedp.nodes import check_nodes_reduction
 from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.link import Link, load_link
@@ -160,6 +160,9 @@ def main(argv: list[str]) -> int:
         if world < 1:
             raise PlanError(f"--ngpu must be >= 1, got {world}")
         nodes = ours.nnodes or config.plan.nnodes
+        # What a run refuses before it allocates, the plan refuses before it simulates.
+        check_slidedp_options(config, job.args, world=world * nodes)
+        check_seq_len(config.training.seq_len, job.args)
         link = link_for(job, config.plan, nodes=nodes, link=ours.link)
         print("\n".join(plan_text(job, rates, world=world,
                                   resident_memory=partial(device_memory, config), nodes=nodes,
@@ -168,7 +171,7 @@ def main(argv: list[str]) -> int:
             print("\n".join(search_offline(job, rates, world=world, out=ours.out,
                                             say=partial(print, file=sys.stderr, flush=True))),
                   flush=True)
-    except (PlanError, MissingRate) as e:
+    except (PlanError, ConfigError, MissingRate) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -62,6 +62,20 @@ def check_world(config: JobConfig, *, world: int) -> None:
                           f'use "fsdp2" or "slidedp" (./run_train.sh picks "{MULTI_RANK_MODE}")')
 
 
+def check_slidedp_options(config: JobConfig, args: ModelArgs, *, world: int) -> None:
+    """With parallelism.mode = "slidedp", the [slidedp] options the runtime can serve for the
+    model `args` on `world` ranks (the planner checks these as a run does)."""
+    if config.parallelism.mode != "slidedp":
+        return
+    try:
+        check_gpu_updates(config.slidedp, grad_accum_steps=config.training.grad_accum_steps,
+                          n_layers=args.n_layers, world=world)
+        check_speculative(config.slidedp, grad_accum_steps=config.training.grad_accum_steps,
+                          n_layers=args.n_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_mode_options(config: JobConfig, args: ModelArgs, *, world: int) -> None:
     """Options of one mode only where that mode runs (for the model `args` on `world` ranks);
     for "deepspeed",
@@ -71,14 +85,7 @@ def check_mode_options(config: JobConfig, args: ModelArgs, *, world: int) -> Non
     if config.parallelism.fsdp_cpu_offload and mode != "fsdp2":
         raise ConfigError(f'parallelism.fsdp_cpu_offload applies to parallelism.mode = "fsdp2", '
                           f'not "{mode}"')
-    if mode == "slidedp":
-        try:
-            check_gpu_updates(config.slidedp, grad_accum_steps=config.training.grad_accum_steps,
-                              n_layers=args.n_layers, world=world)
-            check_speculative(config.slidedp, grad_accum_steps=config.training.grad_accum_steps,
-                              n_layers=args.n_layers)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    check_slidedp_options(config, args, world=world)
     if mode != "deepspeed":
         return
     if importlib.util.find_spec("deepspeed") is None:

@@ -169,6 +169,21 @@ def test_plan_errors_are_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip() == "error: slidedp.window_slots must be >= 2, got 1"
 
 
+@pytest.mark.parametrize("flag, error", [
+    ("--slidedp.gpu_state_blocks=99", "slidedp.gpu_state_blocks: 99 is not within the model's"),
+    ("--slidedp.moments_dtype=8bit", 'slidedp.moments_dtype = "8bit" needs every unit\'s'),
+    ("--training.seq_len=300000", "training.seq_len = 300000 exceeds the model's 40,960"),
+])
+def test_the_plan_refuses_what_the_run_refuses_before_it_simulates(capsys, flag, error):
+    """A configuration the run's checks refuse (recipes/preflight.py) is refused by the plan in
+    the same words: it planned a run that could not start, or failed with a traceback."""
+    from recipes.plan import main
+
+    assert main(["train_configs/h200_qwen3_4b_slidedp.toml", flag]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: {error}") and err.count("\n") == 1 and not out
+
+
 def test_a_rate_the_file_lacks_is_said_and_the_memory_still_planned(capsys):
     """The shipped rates hold no 8-bit AdamW rate (only the probe measures it): the plan says so
     in place of the step, and still sizes the host state (Qwen3-14B fits one H200's 128 GiB with
