@@ -35,7 +35,7 @@ from slidedp.peer_styles import RUNTIME_STYLES
 from slidedp.plan.link import Link, load_link
 from slidedp.plan.predict import compute_dtype, policies_of
 from slidedp.plan.probe import probe
-from slidedp.plan.rates import MissingRate, Rates, load_rates
+from slidedp.plan.rates import MissingRate, Rates, load_rates, shipped_names
 from slidedp.plan.report import Job, plan_text, search_offline
 from slidedp.plan.search import candidates_of
 
@@ -159,6 +159,11 @@ def main(argv: list[str]) -> int:
         world = ours.ngpu or config.plan.ngpu or rates.machine.devices
         if world < 1:
             raise PlanError(f"--ngpu must be >= 1, got {world}")
+        if world > rates.machine.devices and not rates.machine.on_cpu:
+            # Its links and host are measured or specified for its own GPUs, not for more.
+            raise PlanError(f"{world} GPUs, but the rates' machine has {rates.machine.devices}: "
+                            f"{rates.machine.name}; plan for more with a larger one's rates "
+                            f"(--rates NAME or [plan] rates; shipped: {shipped_names()})")
         nodes = ours.nnodes or config.plan.nnodes
         # What a run refuses before it allocates, the plan refuses before it simulates.
         check_slidedp_options(config, job.args, world=world * nodes)

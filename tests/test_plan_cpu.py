@@ -203,9 +203,13 @@ def test_the_plan_section_names_the_machine(no_measuring, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "on 2 x NVIDIA H200" in out and " 1 rank(s) x " in out, out
     # The command line overrides it.
-    assert main([str(config), *flags, "--rates=h200", "--ngpu=2"]) == 0
+    assert main([str(config), *flags, "--rates=h200x4", "--ngpu=3"]) == 0
     out = capsys.readouterr().out
-    assert "on 1 x NVIDIA H200" in out and " 2 rank(s) x " in out, out
+    assert "on 4 x NVIDIA H200" in out and " 3 rank(s) x " in out, out
+    # Not more GPUs than the rates' machine has.
+    assert main([str(config), *flags, "--rates=h200", "--ngpu=2"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: 2 GPUs, but the rates' machine has 1: 1 x NVIDIA H200")
     assert main([str(config), *flags, "--plan.rates=no-such-machine"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: plan.rates: no rates file 'no-such-machine' (shipped: ")
