@@ -155,6 +155,9 @@ def main(argv: list[str]) -> int:
     ours, flags = split_flags(argv, parser)
     try:
         config, job = load_config(flags)
+        if ours.search and config.parallelism.mode != "slidedp":
+            raise PlanError(f'--search chooses SlideDP\'s settings: it needs parallelism.mode = '
+                            f'"slidedp", got "{config.parallelism.mode}"')
         rates = rates_for(job, config.plan, rates=ours.rates)
         world = ours.ngpu or config.plan.ngpu or rates.machine.devices
         if world < 1:

@@ -317,6 +317,25 @@ def test_search_where_nothing_fits_says_what_each_memory_needs_before_pricing_an
     assert "[search] pricing" not in err and not (tmp_path / "p.toml").exists()
 
 
+def test_the_search_takes_only_what_the_run_can_run(capsys, tmp_path):
+    """Speculative updates need every update on the host: the search's choice keeps them there
+    (it took resident state beside them, which the run refuses); and it chooses SlideDP's
+    settings, so it refuses another mode before anything is priced."""
+    from recipes.plan import main
+
+    out = tmp_path / "p.toml"
+    assert main(["train_configs/h200_qwen3_4b_slidedp.toml", "--slidedp.speculative_update=true",
+                 "--slidedp.gpu_state_blocks=0", "--slidedp.embedding_update=host",
+                 "--slidedp.autopolicy_candidates=keep", "--search", f"--out={out}"]) == 0
+    chosen = out.read_text()
+    assert 'embedding_update = "host"' in chosen and "gpu_state_blocks = 0" in chosen
+    assert main(["train_configs/h200_qwen3_4b_slidedp.toml", f"--out={out}", "--search",
+                 "--parallelism.mode=fsdp2"]) == 2
+    assert capsys.readouterr().err.endswith(
+        'error: --search chooses SlideDP\'s settings: it needs parallelism.mode = "slidedp", '
+        'got "fsdp2"\n')
+
+
 def test_the_planner_and_probe_take_config_flags_in_either_form():
     """`--section.key=value` and `--section.key VALUE [VALUE ...]` (as the trainer and the bench
     take them) both go to the configuration, with the TOML file first; the command's own

@@ -36,6 +36,7 @@ from slidedp.plan.rates import Rates
 from slidedp.plan.steptime import simulate_step, step_demands
 from slidedp.plan.workload import Workload
 from slidedp.run_config import RunConfig
+from slidedp.speculative import check_speculative
 
 
 _BASES = ("keep", "recompute", "selective", "ops(matmul+attention)", "segments(attention_core)",
@@ -110,11 +111,12 @@ _PLACEMENT = ("gpu_state_blocks", "embedding_update")
 
 
 def runs(setting: Setting, config: RunConfig, n_layers: int, *, world: int) -> bool:
-    """Whether the run can take `setting` (its GPU updates' conditions: slidedp/gpu_update.py)."""
+    """Whether the run can take `setting` (the conditions of its GPU updates,
+    slidedp/gpu_update.py, and of speculative updates, slidedp/speculative.py)."""
+    cfg, accum = setting.apply(config).slidedp, config.training.grad_accum_steps
     try:
-        check_gpu_updates(setting.apply(config).slidedp,
-                          grad_accum_steps=config.training.grad_accum_steps,
-                          n_layers=n_layers, world=world)
+        check_gpu_updates(cfg, grad_accum_steps=accum, n_layers=n_layers, world=world)
+        check_speculative(cfg, grad_accum_steps=accum, n_layers=n_layers)
     except ValueError:
         return False
     return True
