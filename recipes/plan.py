@@ -168,6 +168,10 @@ def main(argv: list[str]) -> int:
                             f"{rates.machine.name}; plan for more with a larger one's rates "
                             f"(--rates NAME or [plan] rates; shipped: {shipped_names()})")
         nodes = ours.nnodes or config.plan.nnodes
+        if ours.search and nodes > 1:
+            # Its options are priced on one node: it would choose without the nodes' link.
+            raise PlanError(f"--search chooses for one node, not {nodes}: plan the nodes without "
+                            f"--search, or search with --nnodes 1")
         # What a run refuses before it allocates, the plan refuses before it simulates.
         check_slidedp_options(config, job.args, world=world * nodes)
         check_seq_len(config.training.seq_len, job.args)

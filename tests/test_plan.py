@@ -320,7 +320,7 @@ def test_search_where_nothing_fits_says_what_each_memory_needs_before_pricing_an
 def test_the_search_takes_only_what_the_run_can_run(capsys, tmp_path):
     """Speculative updates need every update on the host: the search's choice keeps them there
     (it took resident state beside them, which the run refuses); and it chooses SlideDP's
-    settings, so it refuses another mode before anything is priced."""
+    settings on one node, so it refuses another mode, or nodes, before anything is priced."""
     from recipes.plan import main
 
     out = tmp_path / "p.toml"
@@ -334,6 +334,11 @@ def test_the_search_takes_only_what_the_run_can_run(capsys, tmp_path):
     assert capsys.readouterr().err.endswith(
         'error: --search chooses SlideDP\'s settings: it needs parallelism.mode = "slidedp", '
         'got "fsdp2"\n')
+    assert main(["train_configs/h100x4_qwen3_14b.toml", "--nnodes=2", "--link=ib400x8",
+                 "--search", f"--out={out}"]) == 2
+    assert capsys.readouterr().err.endswith("error: --search chooses for one node, not 2: plan "
+                                            "the nodes without --search, or search with "
+                                            "--nnodes 1\n")
 
 
 def test_the_planner_and_probe_take_config_flags_in_either_form():
