@@ -157,35 +157,43 @@ def test_a_probes_block_timings_time_only_the_model_it_ran():
     assert other.cost(RECOMPUTE) is None
 
 
+def solved_on_h200(flags: list[str], resident_blocks: tuple[int, ...], candidates: tuple[str, ...],
+                   **setting):
+    """The program alone and solve_modelled for the configuration of `flags` on one H200 (the
+    h200 rates), over its setting with each count of resident blocks (and `setting`) and the
+    candidate policies; with the simulated step of a solution."""
+    parsed = parse_config(flags)
+    (flavor, args), config = resolve_model(parsed), run_config(parsed)
+    rates = load_rates("h200")
+    model = Model(config, args, flavor, kernels_for(config, rates), 1, rates)
+    settings = [replace(setting_of(config), gpu_state_blocks=n, **setting) for n in resident_blocks]
+    options, choices, rebuild = build_program(model, settings,
+                                              [parse_policy(p) for p in candidates])
+    gpu, host = budgets(model)
+    kw = dict(gpu_budget=gpu, host_budget=host, rebuild_bytes=rebuild)
+    alone = solve(options, choices, blocks=args.n_layers, ranks=1, **kw)
+    priced = solve_modelled(model, options, choices, **kw)
+
+    def simulated(found):
+        return model.step_s(Setting(**found.option.settings), assign(found, args.n_layers))
+
+    return alone, priced, simulated
+
+
 def test_the_offline_search_prices_what_the_schedule_exposes_of_an_offload():
     """Qwen3-8B at 3 sequences with BF16 moments: all 36 blocks' optimizer state resident leaves
     room for activations only offloaded, whose copies back at the turn to backward the demands
     do not show; 27 resident leave room to keep every matmul. The program alone takes the
     offload (it prices it at the GPU's time); priced by the schedule, the 27 with no offload,
     which the simulation has faster."""
-    parsed = parse_config(["--job.config_file=train_configs/h200_qwen3_8b_slidedp.toml",
-                           "--training.max_norm=1.0", "--slidedp.moments_dtype=bfloat16",
-                           "--training.local_batch_size=3"])
-    (flavor, args), config = resolve_model(parsed), run_config(parsed)
-    rates = load_rates("h200")
-    model = Model(config, args, flavor, kernels_for(config, rates), 1, rates)
-    base = setting_of(config)
-    settings = [replace(base, reduction="gpu", bf16_shadow=True, gpu_state_blocks=n,
-                        embedding_update="resident") for n in (36, 27)]
-    candidates = [parse_policy(p) for p in ("keep@offload=1.0", "ops(matmul+attention)",
-                                            "ops(matmul+attention)@offload=1.0")]
-    options, choices, rebuild = build_program(model, settings, candidates)
-    gpu, host = budgets(model)
-    kw = dict(gpu_budget=gpu, host_budget=host, rebuild_bytes=rebuild)
-    alone = solve(options, choices, blocks=args.n_layers, ranks=1, **kw)
-    priced = solve_modelled(model, options, choices, **kw)
+    alone, priced, simulated = solved_on_h200(
+        ["--job.config_file=train_configs/h200_qwen3_8b_slidedp.toml", "--training.max_norm=1.0",
+         "--slidedp.moments_dtype=bfloat16", "--training.local_batch_size=3"], (36, 27),
+        ("keep@offload=1.0", "ops(matmul+attention)", "ops(matmul+attention)@offload=1.0"),
+        reduction="gpu", bf16_shadow=True, embedding_update="resident")
     assert alone.option.settings["gpu_state_blocks"] == 36
     assert priced.option.settings["gpu_state_blocks"] == 27
-    assert priced.counts == {"ops(matmul+attention)": args.n_layers}
-
-    def simulated(found):
-        return model.step_s(Setting(**found.option.settings), assign(found, args.n_layers))
-
+    assert priced.counts == {"ops(matmul+attention)": 36}
     assert simulated(priced) < 0.85 * simulated(alone)
 
 
@@ -195,24 +203,11 @@ def test_the_offline_search_takes_the_option_the_simulation_has_faster_at_the_bl
     the GPU with every block under recompute, whose long backward hides the host's updates, and
     takes 9 for the GPU memory it frees; with the blocks it keeps, the simulation has the host's
     updates of 27 blocks exposed and 18 faster, which the search takes."""
-    parsed = parse_config(["--job.config_file=train_configs/h200_qwen3_4b_slidedp.toml",
-                           "--training.max_norm=0", "--training.nonfinite=off"])
-    (flavor, args), config = resolve_model(parsed), run_config(parsed)
-    rates = load_rates("h200")
-    model = Model(config, args, flavor, kernels_for(config, rates), 1, rates)
-    settings = [replace(setting_of(config), gpu_state_blocks=n) for n in (9, 18)]
-    options, choices, rebuild = build_program(
-        model, settings, [parse_policy("ops(matmul+attention)@offload=1.0")])
-    gpu, host = budgets(model)
-    kw = dict(gpu_budget=gpu, host_budget=host, rebuild_bytes=rebuild)
-    alone = solve(options, choices, blocks=args.n_layers, ranks=1, **kw)
-    priced = solve_modelled(model, options, choices, **kw)
+    alone, priced, simulated = solved_on_h200(
+        ["--job.config_file=train_configs/h200_qwen3_4b_slidedp.toml", "--training.max_norm=0",
+         "--training.nonfinite=off"], (9, 18), ("ops(matmul+attention)@offload=1.0",))
     assert alone.option.settings["gpu_state_blocks"] == 9
     assert priced.option.settings["gpu_state_blocks"] == 18
-
-    def simulated(found):
-        return model.step_s(Setting(**found.option.settings), assign(found, args.n_layers))
-
     assert priced.objective == simulated(priced) < 0.95 * simulated(alone)
 
 
