@@ -91,8 +91,8 @@ class Simulation:
         progress = [0.0] * len(tasks)  # fraction of the work done
         fixed_end: dict[int, float] = {}  # running tasks still in their fixed part
         working: set[int] = set()  # running tasks in their work part
-        # A stack, not a set: a set keeps its table at the size of every task, and its pop
-        # scans that table from the start each time it is refilled behind the last pop.
+        # A stack, not a set: a set's table stays sized for every task, and its pop walks the
+        # slots that earlier pops emptied, from where the last one stopped, round and round.
         candidates = list(range(len(tasks) - 1, -1, -1))
         done = 0
 
