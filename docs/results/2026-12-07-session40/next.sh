@@ -15,6 +15,10 @@
 # PLAN=zero3 (H100, about 900 s in two calls: LAUNCHES=2, then 1): ZeRO-3 Offload's peak (full
 #   checkpointing at 16 sequences) against the model's setting at 16, 3 launches a side (session
 #   43 ran the 1-16 sweep twice a side; three do not fit one session's device time).
+# PLAN=issue28 (H200, about 1,400 s in three calls): issue 28's Qwen3-4B ratios at clipping 1.0 in
+#   one start: call 1 FSDP2's peak (fsdp2_peak_4b) and the no-recompute reference (reference_4b),
+#   3 launches each; calls 2 and 3 (LAUNCHES=2, then 1) SlideDP's measured best and the step-time
+#   model's best (docs/results/2026-12-08-cpu-session44/h200_issue28_4b.toml).
 # PLAN=probe (either card, about 300 s): the probe's rates of this host for Qwen3-4B, blocks timed
 #   at 8 sequences since session 43, with the host's launch (issue) times (the h100 rates hold an
 #   H100 host's since session 43, the h200 rates none); it measures no figure. Then
@@ -34,6 +38,9 @@ fi
 case "$gpu $plan" in
   *H200*small) suites="deepspeed_install $here/h200_small.toml"; LAUNCHES=1  # two do not fit a call
                options="(all-resident and not bf16) or $resident" ;;
+  *H200*issue28) if [ "$1" = 1 ]; then suites="fsdp2_peak_4b reference_4b"
+                 else suites="docs/results/2026-12-08-cpu-session44/h200_issue28_4b.toml"; fi
+                 options="(all-resident and not bf16) or ops or offload or $resident" ;;
   *H200*full) suites="deepspeed_install head_to_head slidedp_best"
               options="(all-resident and not bf16) or keep or selective or ops or offload" ;;
   *small) suites="docs/results/2026-12-08-h100-session43/h100_launches_2.toml"
