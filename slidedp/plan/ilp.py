@@ -90,21 +90,25 @@ class Assignment:
     """Its modelled step time."""
 
 
+def device_bytes(option: Option, counts: dict[str, int], choices: dict[str, Choice]) -> float:
+    """A choice's device bytes: the option's and its blocks' activations (no rebuild)."""
+    return option.gpu_bytes + sum(n * choices[p].gpu_bytes for p, n in counts.items())
+
+
 def objective(option: Option, counts: dict[str, int], choices: dict[str, Choice]) -> float:
     """The modelled step time of a choice, with the tie-break (the program's objective)."""
     resources = set(option.demand) | {r for c in choices.values() for r in c.demand}
     step = max(option.demand.get(r, 0.0) + sum(n * choices[p].demand.get(r, 0.0)
                                                for p, n in counts.items()) for r in resources)
-    gpu = option.gpu_bytes + sum(n * choices[p].gpu_bytes for p, n in counts.items())
     residual = option.residual + sum(n * choices[p].residual for p, n in counts.items())
-    return step + residual + TIE_BREAK_S_PER_GIB * gpu / 2**30
+    return step + residual + TIE_BREAK_S_PER_GIB * device_bytes(option, counts, choices) / 2**30
 
 
 def feasible(option: Option, counts: dict[str, int], choices: dict[str, Choice], *, ranks: int,
              gpu_budget: float, host_budget: float, rebuild_bytes: float) -> bool:
     """The memory constraints of a choice."""
     rebuild = any(n and choices[p].rebuilds for p, n in counts.items())
-    gpu = option.gpu_bytes + sum(n * choices[p].gpu_bytes for p, n in counts.items())
+    gpu = device_bytes(option, counts, choices)
     host = option.host_bytes + ranks * sum(n * choices[p].host_bytes for p, n in counts.items())
     return (gpu + rebuild * rebuild_bytes <= gpu_budget and host <= host_budget
             and option.gpu_floor_bytes <= gpu_budget)

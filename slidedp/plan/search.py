@@ -28,7 +28,8 @@ from slidedp.activations import KEEP, RECOMPUTE, ActivationPolicy, block_policie
 from slidedp.gpu_update import check_gpu_updates
 from slidedp.host_state import host_state_bytes
 from slidedp.layout import StateLayout
-from slidedp.plan.ilp import TIE_BREAK_S_PER_GIB, Assignment, Choice, Option, feasible, solve
+from slidedp.plan.ilp import (TIE_BREAK_S_PER_GIB, Assignment, Choice, Option, device_bytes,
+                              feasible, solve)
 from slidedp.plan.memory import estimate_device_memory
 from slidedp.plan.policy_file import parse_candidates
 from slidedp.plan.predict import state_plan, step_spec, with_slidedp
@@ -287,7 +288,7 @@ def simulated_best(model: Model, options: list[Option], choices: list[Choice],
             key = (o.name, tuple(a.counts.items()))
             if key not in scored:
                 step = model.step_s(Setting(**o.settings), policies)
-                gpu = o.gpu_bytes + sum(n * by_name[p].gpu_bytes for p, n in a.counts.items())
+                gpu = device_bytes(o, a.counts, by_name)
                 # Among equal steps the one with less device memory, as the program's tie-break.
                 scored[key] = (step + TIE_BREAK_S_PER_GIB * gpu / 2**30,
                                Assignment(o, a.counts, step))
